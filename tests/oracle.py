@@ -47,9 +47,12 @@ def oracle_clipped(model: nn.Module, batches: Sequence[dict], loss_fn: LossFn, m
     return names, norms_per_batch, dict(zip(names, total, strict=True)), max_grad_norm
 
 
-def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str) -> None:
-    err = (actual - expected).norm() / expected.norm().clamp_min(1e-30)
-    assert err <= rel, f"{what}: relative error {float(err):.3e} > {rel}"
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str, scale: float = 0.0) -> None:
+    """``||actual - expected|| <= rel * ||expected||``, with a float64 round-off floor ``1e-12 * scale`` for
+    gradients that are exactly zero in theory (e.g. attention key biases, which softmax cancels)."""
+    err = float((actual - expected).norm())
+    bound = rel * float(expected.norm()) + 1e-12 * scale
+    assert err <= bound, f"{what}: error {err:.3e} > {bound:.3e} (||expected|| = {float(expected.norm()):.3e})"
 
 
 def check_clipper(
@@ -73,10 +76,11 @@ def check_clipper(
         clipper.backward(loss)
         torch.testing.assert_close(clipper.per_example_norms, norms, rtol=rel, atol=0)
     params = dict(model.named_parameters())
+    scale = float(torch.sqrt(sum((g**2).sum() for g in sum_expected.values())))
     for name in names:
         grad = params[name].grad
         assert grad is not None, f"{name} got no gradient"
-        assert_rel_close(grad, sum_expected[name], rel, name)
+        assert_rel_close(grad, sum_expected[name], rel, name, scale)
     clipper.remove()
     assert {n: p.requires_grad for n, p in model.named_parameters()} == before
     return clipper

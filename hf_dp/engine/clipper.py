@@ -152,8 +152,8 @@ class BookKeepingClipper:
         if not torch.is_grad_enabled():
             self._capturing = False
             return
-        current = tuple(trainable_parameters(self.model))
-        if current != self._trainable:  # requires_grad changed since the last plan: check coverage again
+        current = [id(p) for p in trainable_parameters(self.model)]
+        if current != [id(p) for p in self._trainable]:  # requires_grad changed since the last plan: check coverage again
             self._plan()
         self._uses = []
         self._batch_hint = self._infer_batch_size(args, kwargs)
@@ -316,7 +316,9 @@ class BookKeepingClipper:
         self._shared_norm_sq(grads_by_param)
         norms = self._norm_sq.sqrt()
         coef = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-        coef = torch.where(torch.isfinite(norms), coef, torch.zeros_like(coef))
+        finite = torch.isfinite(norms)
+        coef = torch.where(finite, coef, torch.zeros_like(coef))
+        keep = None if bool(finite.all()) else finite
         self.per_example_norms = norms.detach()
         if self.mode == "ghost":
             for p in self._trainable:
@@ -325,9 +327,9 @@ class BookKeepingClipper:
                 (per_example_loss * coef.to(per_example_loss.dtype)).sum().backward()
         else:
             for p, grads in grads_by_param.items():
-                total = weighted_sum(grads[0], coef, p.dtype)
+                total = weighted_sum(grads[0], coef, p.dtype, keep)
                 for g in grads[1:]:
-                    total += weighted_sum(g, coef, p.dtype)
+                    total += weighted_sum(g, coef, p.dtype, keep)
                 p.grad = total if p.grad is None else p.grad + total
         self._uses = []
         for origin in self._origins.values():

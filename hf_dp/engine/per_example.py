@@ -161,38 +161,46 @@ def inner(a: PerExampleGrad, b: PerExampleGrad, dtype: torch.dtype) -> Tensor:
     return (va.reshape(va.shape[0], -1) * vb.reshape(vb.shape[0], -1)).sum(1)
 
 
-def _scale(f: Factor, coef: Tensor) -> Factor:
+def _scale(f: Factor, coef: Tensor, keep: Tensor | None) -> Factor:
     if isinstance(f, IndexFactor):
         return f
-    scaled = f * coef.to(f.dtype).view(-1, 1, 1)
-    # An example with a non-finite gradient has coefficient 0; inf * 0 would still be nan.
-    return torch.where((coef > 0).view(-1, 1, 1), scaled, torch.zeros((), dtype=f.dtype, device=f.device))
+    return _mask(f * coef.to(f.dtype).view(-1, 1, 1), keep)
 
 
-def weighted_sum(grad: PerExampleGrad, coef: Tensor, dtype: torch.dtype) -> Tensor:
-    """``sum_i coef_i G_i`` with the parameter's shape (book-keeping: one matmul over ``B*T`` rows)."""
+def _mask(f: Factor, keep: Tensor | None) -> Factor:
+    """Zero the examples not in ``keep`` (non-finite gradients: ``inf * 0`` would still be nan)."""
+    if keep is None or isinstance(f, IndexFactor):
+        return f
+    shape = (-1,) + (1,) * (f.dim() - 1)
+    return torch.where(keep.view(shape), f, torch.zeros((), dtype=f.dtype, device=f.device))
+
+
+def weighted_sum(grad: PerExampleGrad, coef: Tensor, dtype: torch.dtype, keep: Tensor | None = None) -> Tensor:
+    """``sum_i coef_i G_i`` with the parameter's shape (book-keeping: one matmul over ``B*T`` rows).
+
+    ``keep`` (``[B]`` bool, optional) marks the examples to include; pass it when some gradients are not finite.
+    """
     if isinstance(grad, InstantiatedGrad):
-        v = grad.value.to(dtype)
-        v = torch.where((coef > 0).view(-1, *([1] * (v.dim() - 1))), v, torch.zeros((), dtype=dtype, device=v.device))
+        v = _mask(grad.value.to(dtype), keep)
         return torch.tensordot(coef.to(dtype), v, dims=1)
-    left, right = grad.left, grad.right
+    left, right = _mask(grad.left, keep), grad.right
     if isinstance(left, IndexFactor) or not isinstance(right, IndexFactor):
-        right = _scale(right, coef)
+        right = _scale(right, coef, keep)
     else:
-        left = _scale(left, coef)
+        left = _scale(left, coef, keep)
     if isinstance(left, IndexFactor):
         flat_right = right.to(dtype).reshape(-1, right.shape[-1])
         idx = left.index.reshape(-1)
-        keep = idx >= 0
+        valid = idx >= 0
         out = flat_right.new_zeros(left.size, flat_right.shape[1])
-        out.index_add_(0, idx[keep], flat_right[keep])
+        out.index_add_(0, idx[valid], flat_right[valid])
         return out.reshape(grad.shape)
     if isinstance(right, IndexFactor):
         flat_left = left.to(dtype).reshape(-1, left.shape[-1])
         idx = right.index.reshape(-1)
-        keep = idx >= 0
+        valid = idx >= 0
         out = flat_left.new_zeros(right.size, flat_left.shape[1])
-        out.index_add_(0, idx[keep], flat_left[keep])
+        out.index_add_(0, idx[valid], flat_left[valid])
         return out.t().reshape(grad.shape)
     flat_left = left.reshape(-1, left.shape[-1])
     flat_right = right.reshape(-1, right.shape[-1])

@@ -50,25 +50,48 @@ def causal_loss(model, batch):
 
 def gpt2(tied=True, **kw):
     cfg = GPT2Config(
-        vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, tie_word_embeddings=tied, **kw,
+        vocab_size=VOCAB,
+        n_positions=16,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=tied,
+        **kw,
     )
     return GPT2LMHeadModel(cfg)
 
 
 def llama():
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False, pad_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        pad_token_id=0,
     )
     return LlamaForCausalLM(cfg)
 
 
 def bert_classifier():
     cfg = BertConfig(
-        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
-        max_position_embeddings=16, type_vocab_size=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        num_labels=3, pad_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+        pad_token_id=0,
     )
     return BertForSequenceClassification(cfg)
 
@@ -80,7 +103,9 @@ def classification_batches():
         token_types = torch.zeros_like(ids)
         token_types[:, 5:] = 1
         labels = torch.arange(len(lengths)) % 3
-        out.append({"input_ids": ids, "attention_mask": mask, "token_type_ids": token_types * mask, "labels": labels})
+        out.append(
+            {"input_ids": ids, "attention_mask": mask, "token_type_ids": token_types * mask, "labels": labels}
+        )
     return out
 
 
@@ -91,17 +116,32 @@ def classification_loss(model, batch):
 
 def roberta_mlm():
     cfg = RobertaConfig(
-        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
-        max_position_embeddings=20, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1,
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=20,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=1,
     )
     return RobertaForMaskedLM(cfg)
 
 
 def albert_mlm():
     cfg = AlbertConfig(
-        vocab_size=VOCAB, embedding_size=8, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
-        intermediate_size=24, max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        classifier_dropout_prob=0.0, pad_token_id=0,
+        vocab_size=VOCAB,
+        embedding_size=8,
+        hidden_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        classifier_dropout_prob=0.0,
+        pad_token_id=0,
     )
     return AlbertForMaskedLM(cfg)
 
@@ -126,9 +166,19 @@ def mlm_loss(model, batch):
 
 def t5():
     cfg = T5Config(
-        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=24, num_layers=2, num_decoder_layers=2, num_heads=2,
-        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0, pad_token_id=0,
-        decoder_start_token_id=0, tie_word_embeddings=True,
+        vocab_size=VOCAB,
+        d_model=16,
+        d_kv=8,
+        d_ff=24,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        pad_token_id=0,
+        decoder_start_token_id=0,
+        tie_word_embeddings=True,
     )
     model = T5ForConditionalGeneration(cfg)
     for name, p in model.named_parameters():
@@ -142,7 +192,9 @@ def seq2seq_batches():
     for seed, lengths in enumerate([(8, 5, 8, 3), (6, 8, 7)]):
         ids, mask = padded_ids(lengths, 8, seed=seed)
         labels, label_mask = padded_ids([max(2, n - 2) for n in lengths], 6, seed=seed + 5)
-        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels.masked_fill(label_mask == 0, -100)})
+        out.append(
+            {"input_ids": ids, "attention_mask": mask, "labels": labels.masked_fill(label_mask == 0, -100)}
+        )
     return out
 
 
@@ -150,7 +202,9 @@ def seq2seq_loss(model, batch):
     labels = batch["labels"]
     decoder_input_ids = model._shift_right(labels)
     logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], decoder_input_ids=decoder_input_ids
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        decoder_input_ids=decoder_input_ids,
     ).logits
     return token_loss(logits, labels, reduction="sum")
 
@@ -159,7 +213,10 @@ def gpt2_lora():
     from peft import LoraConfig, get_peft_model
 
     return get_peft_model(
-        gpt2(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, lora_dropout=0.0)
+        gpt2(),
+        LoraConfig(
+            r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, lora_dropout=0.0
+        ),
     )
 
 
@@ -167,7 +224,10 @@ def llama_lora():
     from peft import LoraConfig, get_peft_model
 
     cfg = LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "embed_tokens"], modules_to_save=["lm_head"],
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "embed_tokens"],
+        modules_to_save=["lm_head"],
         lora_dropout=0.0,
     )
     model = get_peft_model(llama(), cfg)
@@ -180,8 +240,9 @@ def llama_lora():
 def gpt2_prefix(projection=False):
     from peft import PrefixTuningConfig, get_peft_model
 
-    cfg = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, prefix_projection=projection,
-                             encoder_hidden_size=8)
+    cfg = PrefixTuningConfig(
+        task_type="CAUSAL_LM", num_virtual_tokens=3, prefix_projection=projection, encoder_hidden_size=8
+    )
     return get_peft_model(gpt2(), cfg)
 
 

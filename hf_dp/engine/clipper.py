@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..layers import Captured, LayerRule
+from ..layers import Captured
 from ..layers.embedding import EmbeddingRule
 from .coverage import HookedModule, plan_coverage, trainable_parameters
 from .per_example import (
@@ -45,7 +45,14 @@ CLIPPING_MODES: dict[str, str] = {
     "per-sample": "instantiate every per-example gradient (Opacus-style, one backward)",
     "ghost": "GhostClip baseline: ghost norms from a first backward, then a second backward of the reweighted loss",
 }
-_BATCH_KWARGS = ("input_ids", "inputs_embeds", "attention_mask", "decoder_input_ids", "pixel_values", "labels")
+_BATCH_KWARGS = (
+    "input_ids",
+    "inputs_embeds",
+    "attention_mask",
+    "decoder_input_ids",
+    "pixel_values",
+    "labels",
+)
 
 
 @dataclass(eq=False)
@@ -153,7 +160,9 @@ class BookKeepingClipper:
             self._capturing = False
             return
         current = [id(p) for p in trainable_parameters(self.model)]
-        if current != [id(p) for p in self._trainable]:  # requires_grad changed since the last plan: check coverage again
+        if current != [
+            id(p) for p in self._trainable
+        ]:  # requires_grad changed since the last plan: check coverage again
             self._plan()
         self._uses = []
         self._batch_hint = self._infer_batch_size(args, kwargs)
@@ -222,7 +231,9 @@ class BookKeepingClipper:
     # ------------------------------------------------------------------ backward
     def _check_batch(self, use: _Use, grad: Tensor) -> None:
         b = self._batch_size
-        tensors = [grad] + ([use.captured.args[0]] if use.captured and not use.hooked.rule.needs_kwargs else [])
+        tensors = [grad] + (
+            [use.captured.args[0]] if use.captured and not use.hooked.rule.needs_kwargs else []
+        )
         for t in tensors:
             if not isinstance(t, Tensor) or t.dim() == 0 or t.shape[0] != b:
                 shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
@@ -244,7 +255,9 @@ class BookKeepingClipper:
 
     def _per_example_grads(self, use: _Use, grad: Tensor) -> dict[nn.Parameter, PerExampleGrad]:
         with self._suspended():
-            grads = use.hooked.rule.per_example_grads(use.hooked.module, use.captured, grad, set(use.hooked.params))
+            grads = use.hooked.rule.per_example_grads(
+                use.hooked.module, use.captured, grad, set(use.hooked.params)
+            )
         if self.mode in ("bk-mixopt", "per-sample"):
             for p, g in grads.items():
                 if isinstance(g, FactoredGrad) and (self.mode == "per-sample" or g.prefers_instantiation()):

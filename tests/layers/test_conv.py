@@ -33,7 +33,9 @@ def loss_fn(model, batch):
 @pytest.mark.parametrize("kw", [{}, {"stride": 2, "padding": 1}, {"dilation": 2, "padding": "same"}])
 def test_conv2d(float64, mode, kw):
     torch.manual_seed(0)
-    check_clipper(Net2d(**kw), [{"x": torch.randn(4, 3, 8, 8)}, {"x": torch.randn(3, 3, 8, 8)}], loss_fn, mode=mode)
+    check_clipper(
+        Net2d(**kw), [{"x": torch.randn(4, 3, 8, 8)}, {"x": torch.randn(3, 3, 8, 8)}], loss_fn, mode=mode
+    )
 
 
 @pytest.mark.parametrize("mode", ["bk", "bk-mixopt"])
@@ -46,5 +48,7 @@ def test_conv1d(float64, mode, kw):
 def test_grouped_conv_uses_fallback(float64):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2))
-    clipper = check_clipper(net, [{"x": torch.randn(4, 4, 6, 6)}], lambda m, b: (m(b["x"]) ** 2).sum((1, 2, 3)), mode="bk")
+    clipper = check_clipper(
+        net, [{"x": torch.randn(4, 4, 6, 6)}], lambda m, b: (m(b["x"]) ** 2).sum((1, 2, 3)), mode="bk"
+    )
     assert clipper is not None

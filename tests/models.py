@@ -103,9 +103,7 @@ def classification_batches():
         token_types = torch.zeros_like(ids)
         token_types[:, 5:] = 1
         labels = torch.arange(len(lengths)) % 3
-        out.append(
-            {"input_ids": ids, "attention_mask": mask, "token_type_ids": token_types * mask, "labels": labels}
-        )
+        out.append({"input_ids": ids, "attention_mask": mask, "token_type_ids": token_types * mask, "labels": labels})
     return out
 
 
@@ -192,9 +190,7 @@ def seq2seq_batches():
     for seed, lengths in enumerate([(8, 5, 8, 3), (6, 8, 7)]):
         ids, mask = padded_ids(lengths, 8, seed=seed)
         labels, label_mask = padded_ids([max(2, n - 2) for n in lengths], 6, seed=seed + 5)
-        out.append(
-            {"input_ids": ids, "attention_mask": mask, "labels": labels.masked_fill(label_mask == 0, -100)}
-        )
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels.masked_fill(label_mask == 0, -100)})
     return out
 
 
@@ -214,9 +210,7 @@ def gpt2_lora():
 
     return get_peft_model(
         gpt2(),
-        LoraConfig(
-            r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, lora_dropout=0.0
-        ),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, lora_dropout=0.0),
     )
 
 

@@ -47,16 +47,12 @@ def oracle_clipped(model: nn.Module, batches: Sequence[dict], loss_fn: LossFn, m
     return names, norms_per_batch, dict(zip(names, total, strict=True)), max_grad_norm
 
 
-def assert_rel_close(
-    actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str, scale: float = 0.0
-) -> None:
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str, scale: float = 0.0) -> None:
     """``||actual - expected|| <= rel * ||expected||``, with a float64 round-off floor ``1e-12 * scale`` for
     gradients that are exactly zero in theory (e.g. attention key biases, which softmax cancels)."""
     err = float((actual - expected).norm())
     bound = rel * float(expected.norm()) + 1e-12 * scale
-    assert err <= bound, (
-        f"{what}: error {err:.3e} > {bound:.3e} (||expected|| = {float(expected.norm()):.3e})"
-    )
+    assert err <= bound, f"{what}: error {err:.3e} > {bound:.3e} (||expected|| = {float(expected.norm()):.3e})"
 
 
 def check_clipper(

@@ -9,9 +9,7 @@ from hf_dp import BookKeepingClipper, UnsupportedModuleError
 
 
 def _hook_counts(model):
-    return [
-        (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()
-    ]
+    return [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for m in model.modules()]
 
 
 def test_ghost_differentiation_computes_no_parameter_gradient_in_autograd():
@@ -19,9 +17,7 @@ def test_ghost_differentiation_computes_no_parameter_gradient_in_autograd():
     model = gpt2()
     clipper = BookKeepingClipper(model, max_grad_norm=1.0, mode="bk")
     accumulated = []
-    handles = [
-        p.register_post_accumulate_grad_hook(lambda p: accumulated.append(p)) for p in model.parameters()
-    ]
+    handles = [p.register_post_accumulate_grad_hook(lambda p: accumulated.append(p)) for p in model.parameters()]
     batch = causal_batches()[0]
     clipper.backward(causal_loss(model, batch))
     for h in handles:

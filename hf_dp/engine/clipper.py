@@ -231,9 +231,7 @@ class BookKeepingClipper:
     # ------------------------------------------------------------------ backward
     def _check_batch(self, use: _Use, grad: Tensor) -> None:
         b = self._batch_size
-        tensors = [grad] + (
-            [use.captured.args[0]] if use.captured and not use.hooked.rule.needs_kwargs else []
-        )
+        tensors = [grad] + ([use.captured.args[0]] if use.captured and not use.hooked.rule.needs_kwargs else [])
         for t in tensors:
             if not isinstance(t, Tensor) or t.dim() == 0 or t.shape[0] != b:
                 shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
@@ -255,9 +253,7 @@ class BookKeepingClipper:
 
     def _per_example_grads(self, use: _Use, grad: Tensor) -> dict[nn.Parameter, PerExampleGrad]:
         with self._suspended():
-            grads = use.hooked.rule.per_example_grads(
-                use.hooked.module, use.captured, grad, set(use.hooked.params)
-            )
+            grads = use.hooked.rule.per_example_grads(use.hooked.module, use.captured, grad, set(use.hooked.params))
         if self.mode in ("bk-mixopt", "per-sample"):
             for p, g in grads.items():
                 if isinstance(g, FactoredGrad) and (self.mode == "per-sample" or g.prefers_instantiation()):

@@ -175,9 +175,7 @@ def _mask(f: Factor, keep: Tensor | None) -> Factor:
     return torch.where(keep.view(shape), f, torch.zeros((), dtype=f.dtype, device=f.device))
 
 
-def weighted_sum(
-    grad: PerExampleGrad, coef: Tensor, dtype: torch.dtype, keep: Tensor | None = None
-) -> Tensor:
+def weighted_sum(grad: PerExampleGrad, coef: Tensor, dtype: torch.dtype, keep: Tensor | None = None) -> Tensor:
     """``sum_i coef_i G_i`` with the parameter's shape (book-keeping: one matmul over ``B*T`` rows).
 
     ``keep`` (``[B]`` bool, optional) marks the examples to include; pass it when some gradients are not finite.

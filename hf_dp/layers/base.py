@@ -46,9 +46,7 @@ class LayerRule:
 
     def parameters(self, module: nn.Module) -> list[nn.Parameter]:
         """The parameters this rule covers for ``module`` (trainable or not)."""
-        return [
-            p for n, p in module.named_parameters(recurse=False) if n in self.param_names and p is not None
-        ]
+        return [p for n, p in module.named_parameters(recurse=False) if n in self.param_names and p is not None]
 
     def capture(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Captured:
         """Keep what :meth:`per_example_grads` needs (by default the first positional input)."""
@@ -61,9 +59,7 @@ class LayerRule:
         raise NotImplementedError
 
     # Convenience forms of the two quantities the engine needs, for a module used once.
-    def norm_sq(
-        self, module: nn.Module, captured: Captured, grad_output: Tensor
-    ) -> dict[nn.Parameter, Tensor]:
+    def norm_sq(self, module: nn.Module, captured: Captured, grad_output: Tensor) -> dict[nn.Parameter, Tensor]:
         """``[B]`` squared per-example gradient norms of each trainable parameter."""
         grads = self.per_example_grads(module, captured, grad_output, set(self.parameters(module)))
         return {p: norm_sq(g, compute_dtype(p.dtype)) for p, g in grads.items()}

@@ -50,9 +50,7 @@ class ConvRule(LayerRule):
     def per_example_grads(
         self, module: nn.Module, captured: Captured, grad_output: Tensor, trainable: set[nn.Parameter]
     ) -> dict[nn.Parameter, PerExampleGrad]:
-        g = grad_output.reshape(grad_output.shape[0], grad_output.shape[1], -1).transpose(
-            1, 2
-        )  # [B, L, C_out]
+        g = grad_output.reshape(grad_output.shape[0], grad_output.shape[1], -1).transpose(1, 2)  # [B, L, C_out]
         grads: dict[nn.Parameter, PerExampleGrad] = {}
         if module.weight in trainable:
             patches = _patches(module, captured.args[0])

@@ -33,9 +33,7 @@ def loss_fn(model, batch):
 @pytest.mark.parametrize("kw", [{}, {"stride": 2, "padding": 1}, {"dilation": 2, "padding": "same"}])
 def test_conv2d(float64, mode, kw):
     torch.manual_seed(0)
-    check_clipper(
-        Net2d(**kw), [{"x": torch.randn(4, 3, 8, 8)}, {"x": torch.randn(3, 3, 8, 8)}], loss_fn, mode=mode
-    )
+    check_clipper(Net2d(**kw), [{"x": torch.randn(4, 3, 8, 8)}, {"x": torch.randn(3, 3, 8, 8)}], loss_fn, mode=mode)
 
 
 @pytest.mark.parametrize("mode", ["bk", "bk-mixopt"])

@@ -1,0 +1,1 @@
+"""Pure privacy math (no state): one module per accountant."""

@@ -1,0 +1,32 @@
+"""Argument checks shared by the accounting functions (ValueError naming the argument)."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["check_delta", "check_noise_multiplier", "check_sample_rate", "check_steps", "check_target_epsilon"]
+
+
+def check_delta(delta: float) -> None:
+    if not (isinstance(delta, int | float) and 0 < delta < 1):
+        raise ValueError(f"`delta` must be in (0, 1), got {delta}.")
+
+
+def check_sample_rate(sample_rate: float) -> None:
+    if not (isinstance(sample_rate, int | float) and 0 < sample_rate <= 1):
+        raise ValueError(f"`sample_rate` must be in (0, 1], got {sample_rate}.")
+
+
+def check_steps(steps: int) -> None:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise ValueError(f"`steps` must be a non-negative integer, got {steps!r}.")
+
+
+def check_noise_multiplier(noise_multiplier: float) -> None:
+    if not (isinstance(noise_multiplier, int | float) and noise_multiplier >= 0 and not math.isnan(noise_multiplier)):
+        raise ValueError(f"`noise_multiplier` must be >= 0, got {noise_multiplier}.")
+
+
+def check_target_epsilon(target_epsilon: float) -> None:
+    if not (isinstance(target_epsilon, int | float) and target_epsilon > 0 and math.isfinite(target_epsilon)):
+        raise ValueError(f"`target_epsilon` must be a finite number > 0, got {target_epsilon}.")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from scipy import optimize, stats
+from scipy import optimize, special, stats
 
 __all__ = ["clt_mu", "gdp_delta", "gdp_epsilon"]
 
@@ -32,7 +32,8 @@ def clt_mu(segments: Sequence[tuple[float, float, int]]) -> float:
 
 def gdp_delta(mu: float, eps: float) -> float:
     """``delta`` of a ``mu``-GDP mechanism at ``eps``."""
-    return float(stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2))
+    # e^eps Phi(x) in log space: e^eps overflows long before the product does.
+    return float(stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps + special.log_ndtr(-eps / mu - mu / 2)))
 
 
 def gdp_epsilon(mu: float, delta: float) -> float:

@@ -1,0 +1,164 @@
+"""Step time and peak memory of one training step: non-private vs hf_dp (bk, bk-mixopt, ghost) vs Opacus.
+
+Each variant runs in its own process (so peak memory is its own), side by side in one run; one line per
+measurement, then a table of ratios to non-private. A benchmark, not a test.
+
+    python benchmarks/step_time.py                       # CPU default: GPT-2 shape 4 x 256, vocab 8000, B=16, T=96
+    python benchmarks/step_time.py --device cuda --layers 12 --hidden 768 --vocab 50257 --seq 100 --batch 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = ["non-private", "hf_dp-bk", "hf_dp-bk-mixopt", "hf_dp-ghost", "opacus"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    p.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant in this process
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    p.add_argument(
+        "--system-malloc",
+        action="store_true",
+        help="keep glibc's default, which unmaps every large block on free so each step re-faults its pages "
+        "(by default the children keep freed memory in the heap, like a caching allocator on GPU)",
+    )
+    return p.parse_args(argv)
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def run_variant(args) -> dict:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from hf_dp import BookKeepingClipper
+    from hf_dp.losses import causal_lm_loss
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    base_rss = rss_mb()
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        vocab_size=args.vocab,
+        n_positions=max(args.seq, 128),
+        n_embd=args.hidden,
+        n_layer=args.layers,
+        n_head=args.heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    model = GPT2LMHeadModel(cfg).to(device, getattr(torch, args.dtype))
+    model.train()
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+    position_ids = torch.arange(args.seq, device=device).expand(args.batch, -1)
+    variant = args.variant
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    clipper = None
+    if variant.startswith("hf_dp"):
+        clipper = BookKeepingClipper(model, max_grad_norm=1.0, mode=variant.removeprefix("hf_dp-"))
+    if variant == "opacus":
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        model = GradSampleModule(model)
+        optimizer = DPOptimizer(optimizer, noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=args.batch)
+
+    def step():
+        out = model(input_ids=ids, position_ids=position_ids)
+        loss = causal_lm_loss(out.logits, ids, reduction="sum")
+        if variant == "non-private":
+            loss.sum().backward()
+        elif clipper is not None:
+            clipper.backward(loss)
+        else:
+            loss.sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    times = []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(args.warmup + args.repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result = {
+        "variant": variant,
+        "median_s": statistics.median(times),
+        "tokens_per_s": args.batch * args.seq / statistics.median(times),
+        "peak_mb": (torch.cuda.max_memory_allocated() / 2**20) if cuda else peak_rss - base_rss,
+        "memory": "cuda max_memory_allocated" if cuda else "peak RSS above the pre-model baseline",
+    }
+    return result
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.variant:
+        print(json.dumps(run_variant(args)))
+        return
+    passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
+    print(
+        f"# machine: {platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}, "
+        f"device {args.device}; model GPT-2 {args.layers}x{args.hidden}, vocab {args.vocab}, B={args.batch}, "
+        f"T={args.seq}, {args.dtype}"
+    )
+    env = dict(os.environ)
+    if not args.system_malloc and args.device == "cpu":
+        env.update(MALLOC_MMAP_THRESHOLD_="4294967296", MALLOC_TRIM_THRESHOLD_="4294967296")
+    print(f"# allocator: {'glibc default' if args.system_malloc else 'glibc, freed memory kept in the heap'}")
+    results = []
+    for variant in args.variants:
+        cmd = [sys.executable, __file__, *passthrough, "--variant", variant]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            print(f"{variant}\tFAILED\t{proc.stderr.strip().splitlines()[-1] if proc.stderr else ''}")
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        results.append(r)
+        print(
+            f"{variant}\tstep {r['median_s'] * 1000:.1f} ms\t{r['tokens_per_s']:.0f} tok/s\tpeak {r['peak_mb']:.0f} MB"
+        )
+    base = next((r for r in results if r["variant"] == "non-private"), None)
+    if base:
+        print("\n| variant | step time (x non-private) | peak memory (x non-private) |")
+        print("|---|---|---|")
+        for r in results:
+            print(f"| {r['variant']} | {r['median_s'] / base['median_s']:.2f} | {r['peak_mb'] / base['peak_mb']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

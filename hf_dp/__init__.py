@@ -1,14 +1,22 @@
 """hf_dp: differentially private fine-tuning of Hugging Face models with book-keeping clipping."""
 
-from .engine import CLIPPING_MODES, BookKeepingClipper
-from .layers import LayerRule, UnsupportedModuleError, register_rule
-
 __version__ = "0.1.0"
+
+from .arguments import DPTrainingArguments  # noqa: E402
+from .callback import DPCallback  # noqa: E402
+from .engine import CLIPPING_MODES, BookKeepingClipper  # noqa: E402
+from .layers import LayerRule, UnsupportedModuleError, register_rule  # noqa: E402
+from .sampler import PoissonBatchSampler  # noqa: E402
+from .trainer import DPTrainer  # noqa: E402
 
 __all__ = [
     "CLIPPING_MODES",
     "BookKeepingClipper",
+    "DPCallback",
+    "DPTrainer",
+    "DPTrainingArguments",
     "LayerRule",
+    "PoissonBatchSampler",
     "UnsupportedModuleError",
     "register_rule",
 ]

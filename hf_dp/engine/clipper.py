@@ -113,6 +113,7 @@ class BookKeepingClipper:
         self._origins: dict[tuple, Tensor] = {}
         self._norm_sq: Tensor | None = None
         self._use_counts: dict[nn.Parameter, int] = {}
+        self._grads_before_ghost: dict | None = None
         self._plan()
         self._root_handles = [
             model.register_forward_pre_hook(self._on_root_forward_start, with_kwargs=True),
@@ -285,17 +286,37 @@ class BookKeepingClipper:
     def backward(self, per_example_loss: Tensor) -> Tensor:
         """Accumulate ``sum_i min(1, C / (||g_i|| + 1e-6)) g_i`` into ``p.grad`` of every trainable parameter.
 
+        One ``per_example_loss.sum().backward()`` (two in ``"ghost"`` mode), then the clipped sum.
+
         Args:
             per_example_loss (`torch.Tensor`): shape ``[B]``; entry ``i`` must depend on example ``i`` alone.
 
         Returns:
             `torch.Tensor`: the ``[B]`` clipping coefficients (0 for an example whose gradient is not finite).
         """
+        self.prepare(per_example_loss)
+        if self._batch_size == 0:
+            return self.finish()
+        try:
+            per_example_loss.sum().backward(retain_graph=self.mode == "ghost")
+        finally:
+            self._recording = False
+        return self.finish(per_example_loss if self.mode == "ghost" else None)
+
+    def prepare(self, per_example_loss: Tensor) -> None:
+        """Start book-keeping the backward pass of ``per_example_loss`` that the caller is about to run.
+
+        For callers that run the backward themselves (the Trainer, through accelerate's loss scaling): call
+        ``prepare(loss)``, then any backward of ``w * loss.sum()`` (``w`` a positive constant, e.g. a loss scale), then
+        ``finish(loss_scale=w)``; ``p.grad`` then receives ``w * sum_i clip_C(g_i)``.
+        """
         if per_example_loss.dim() != 1:
             raise ValueError(
                 f"`per_example_loss` must have shape [B] (one loss per example), got {tuple(per_example_loss.shape)}. "
                 "A batch-mean loss couples examples and voids the DP bound."
             )
+        if self.mode == "ghost" and not per_example_loss.requires_grad:
+            raise ValueError("`per_example_loss` does not require grad.")
         batch_size = per_example_loss.shape[0]
         self._batch_size = batch_size
         self._norm_sq = torch.zeros(batch_size, dtype=self._norm_dtype, device=per_example_loss.device)
@@ -304,34 +325,48 @@ class BookKeepingClipper:
             for p in use.hooked.params:
                 counts[p] += 1
         self._use_counts = counts
-        if batch_size == 0:
+        self._grads_before_ghost = None
+        if self.mode == "ghost":
+            self._grads_before_ghost = {p: p.grad for p in self._trainable}
+            for p in self._trainable:  # the first backward must not add into the accumulated gradients
+                p.grad = None
+        self._recording = batch_size > 0
+
+    def finish(self, per_example_loss: Tensor | None = None, *, loss_scale: float = 1.0) -> Tensor:
+        """Clip after the backward pass has finished and add the clipped sum to ``p.grad``.
+
+        Args:
+            per_example_loss (`torch.Tensor`, *optional*): the same loss again, for ``"ghost"`` mode's second backward.
+            loss_scale (`float`, *optional*, defaults to 1): ``w`` if the backward ran on ``w * loss.sum()``: norms are
+                divided by it before clipping (so clipping happens at ``w * C`` in the units of the backward, as in
+                Li et al. 2022, App. T, for fp16 loss scaling) and ``p.grad`` receives ``w`` times the clipped sum.
+
+        Returns:
+            `torch.Tensor`: the ``[B]`` clipping coefficients.
+        """
+        self._recording = False
+        if not loss_scale > 0:
+            raise ValueError(f"`loss_scale` must be > 0, got {loss_scale}.")
+        if self._batch_size == 0:
             self.per_example_norms = self._norm_sq
             self._uses = []
             return self._norm_sq
-        self._recording = True
-        grads_before = None
-        if self.mode == "ghost":
-            grads_before = {p: p.grad for p in self._trainable}
-            for p in self._trainable:  # the first backward must not add into the accumulated gradients
-                p.grad = None
-        try:
-            per_example_loss.sum().backward(retain_graph=self.mode == "ghost")
-        finally:
-            self._recording = False
         grads_by_param: dict[nn.Parameter, list[PerExampleGrad]] = defaultdict(list)
         for use in self._uses:
             for p, g in use.grads.items():
                 grads_by_param[p].append(g)
         self._shared_norm_sq(grads_by_param)
-        norms = self._norm_sq.sqrt()
+        norms = self._norm_sq.sqrt() / loss_scale
         coef = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
         finite = torch.isfinite(norms)
         coef = torch.where(finite, coef, torch.zeros_like(coef))
         keep = None if bool(finite.all()) else finite
         self.per_example_norms = norms.detach()
         if self.mode == "ghost":
+            if per_example_loss is None:
+                raise ValueError("`ghost` mode needs the per-example loss again for its second backward pass.")
             for p in self._trainable:
-                p.grad = grads_before[p]
+                p.grad = self._grads_before_ghost[p]
             with self._suspended():
                 (per_example_loss * coef.to(per_example_loss.dtype)).sum().backward()
         else:

@@ -1,0 +1,86 @@
+"""Poisson sampling of logical batches, split into the micro-batches of gradient accumulation.
+
+Every logical batch includes each example independently with probability ``q`` (the subsampling the accountants
+assume); its size is ``Binomial(N, q)``, so it can be empty. It is then split into exactly
+``num_micro_batches`` micro-batches whose sizes differ by at most one (some may be empty), so that the Trainer's
+accumulation boundaries are the logical-batch boundaries.
+
+The draws of epoch ``e`` come from a generator seeded by ``(seed, e)`` alone, so that resuming from a checkpoint (which
+skips the micro-batches already seen in the epoch) replays exactly the same batches. With several processes, every
+rank draws the same logical batch and keeps its own share, so that the union over ranks is one Poisson draw.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+from torch.utils.data import Sampler
+
+__all__ = ["PoissonBatchSampler"]
+
+
+class PoissonBatchSampler(Sampler[list[int]]):
+    """Batch sampler yielding ``steps_per_epoch * num_micro_batches`` lists of indices per epoch.
+
+    Args:
+        num_samples (`int`): dataset size ``N``.
+        sample_rate (`float`): ``q`` in (0, 1].
+        num_micro_batches (`int`): micro-batches per logical batch (``gradient_accumulation_steps``).
+        steps_per_epoch (`int`, *optional*): logical batches per epoch; defaults to ``max(1, floor(1 / q))``.
+        seed (`int`, *optional*, defaults to 0): base seed; epoch ``e`` uses ``(seed, e)``.
+        num_replicas (`int`, *optional*, defaults to 1): number of processes sharing each logical batch.
+        rank (`int`, *optional*, defaults to 0): this process's share.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        num_micro_batches: int,
+        steps_per_epoch: int | None = None,
+        *,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        if num_samples <= 0:
+            raise ValueError(f"`num_samples` must be > 0, got {num_samples}.")
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"`sample_rate` must be in (0, 1], got {sample_rate}.")
+        if num_micro_batches < 1:
+            raise ValueError(f"`num_micro_batches` must be >= 1, got {num_micro_batches}.")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"`rank` must be in [0, {num_replicas}), got {rank}.")
+        self.num_samples = num_samples
+        self.sample_rate = sample_rate
+        self.num_micro_batches = num_micro_batches
+        self.steps_per_epoch = steps_per_epoch or max(1, math.floor(1 / sample_rate))
+        self.seed = seed
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.num_micro_batches
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    @property
+    def sampler(self) -> PoissonBatchSampler:
+        # accelerate's DataLoaderShard.set_epoch also reaches `batch_sampler.batch_sampler.sampler.set_epoch`.
+        return self
+
+    def logical_batches(self) -> Iterator[np.ndarray]:
+        """The logical batches of the current epoch (indices over all ranks)."""
+        rng = np.random.default_rng([self.seed, self.epoch])
+        for _ in range(self.steps_per_epoch):
+            yield np.flatnonzero(rng.random(self.num_samples) < self.sample_rate)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.logical_batches():
+            share = batch[self.rank :: self.num_replicas]
+            for micro in np.array_split(share, self.num_micro_batches):
+                yield micro.tolist()

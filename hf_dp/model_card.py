@@ -58,8 +58,8 @@ def render_dp_section(data: DPModelCardData) -> str:
     else:
         sampling = "shuffled fixed-size batches (sampling without replacement)"
         note = (
-            "\n> [!WARNING]\n> The accountants assume Poisson sampling; with shuffled fixed-size batches the epsilon above "
-            "is a heuristic, not a proven bound.\n"
+            "\n> [!WARNING]\n> The accountants assume Poisson sampling; with shuffled fixed-size batches the "
+            "epsilon above is a heuristic, not a proven bound.\n"
         )
     return Template(template_path().read_text(encoding="utf-8")).substitute(
         hf_dp_version=__version__,

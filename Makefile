@@ -7,7 +7,6 @@ STAMP := $(VENV)/.hf_dp_installed
 
 $(PY):
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
 
 # torch first, pinned to the CPU build that lies on disk; an open range would pull a CUDA build.
 $(STAMP): $(PY) pyproject.toml

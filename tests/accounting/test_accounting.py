@@ -185,3 +185,14 @@ def test_cli():
         check=True,
     ).stdout
     assert out.startswith("rdp\tnoise_multiplier=")
+
+
+def test_prv_small_noise_regime_coarsens_the_mesh():
+    """prv-accountant rejects fine meshes for small sigma; the bounds must still come back and bracket PLD."""
+    sigma, q, steps, delta = 0.5834805261409631, 0.1, 16, 1 / 4000
+    lower, _, upper = prv_epsilon_bounds([(sigma, q, steps)], delta)
+    ref = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-3)
+    ref.compose(_dp_event(sigma, q, steps))
+    pld = ref.get_epsilon(delta)
+    assert lower - 2e-3 <= pld <= upper + 2e-3
+    assert upper <= epsilon(sigma, q, steps, delta, "rdp")

@@ -7,7 +7,9 @@ power of two, so asking for more steps rebuilds rarely) and cached; asking for f
 Error budget: ``delta_error = 1e-3 * delta`` and ``eps_error = 0.01 * sqrt(max_steps / 1024)``, between 0.01 and 0.1.
 The mesh has ``~ sqrt(steps) / eps_error`` points, so this keeps one evaluation at about the same cost for any number
 of steps (under 2 s on 2 CPU cores up to 100,000 steps), while epsilon itself grows about like ``sqrt(steps)``: the
-upper bound stays within ~1% of the estimate in the usual regimes (0.01 absolute up to 1,024 steps).
+upper bound stays within ~1% of the estimate in the usual regimes (0.01 absolute up to 1,024 steps). For small
+noise multipliers prv-accountant can reject a fine mesh ("Discrete mean differs from continuous mean"); the error
+budget is then doubled until it accepts one (at most 0.5), which widens the bounds but keeps them valid.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ __all__ = ["prv_epsilon_bounds", "prv_errors"]
 
 #: Smallest and largest absolute error allowed in epsilon (see the module docstring).
 PRV_EPS_ERROR_MIN, PRV_EPS_ERROR_MAX = 0.01, 0.1
+#: Coarsest eps_error tried when prv-accountant rejects a finer mesh.
+PRV_EPS_ERROR_COARSEST = 0.5
 #: delta_error = PRV_DELTA_ERROR_FRACTION * delta.
 PRV_DELTA_ERROR_FRACTION = 1e-3
 
@@ -65,6 +69,17 @@ def prv_epsilon_bounds(segments: Sequence[tuple[float, float, int]], delta: floa
     steps = [merged[m] for m in mechanisms]
     max_steps = tuple(_round_up(s) for s in steps)
     eps_error, delta_error = prv_errors(sum(max_steps), delta)
-    accountant = _accountant(mechanisms, max_steps, eps_error, delta_error)
-    lower, estimate, upper = accountant.compute_epsilon(delta=delta, num_self_compositions=steps)
-    return float(lower), float(estimate), float(upper)
+    while True:
+        try:
+            accountant = _accountant(mechanisms, max_steps, eps_error, delta_error)
+            lower, estimate, upper = accountant.compute_epsilon(delta=delta, num_self_compositions=steps)
+            return float(lower), float(estimate), float(upper)
+        except RuntimeError as err:
+            # prv-accountant rejects a mesh on which the discretised mean drifts (small sigma, fine mesh): coarsen
+            # it; the bounds stay rigorous, only wider by the larger eps_error.
+            if eps_error >= PRV_EPS_ERROR_COARSEST:
+                raise ValueError(
+                    f"The PRV accountant cannot discretise sigma={mechanisms}, steps={steps} ({err}). Use the "
+                    "'rdp' accountant for this setting."
+                ) from err
+            eps_error = min(PRV_EPS_ERROR_COARSEST, eps_error * 2)

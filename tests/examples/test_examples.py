@@ -1,0 +1,181 @@
+"""Smoke tests: each example runs a couple of steps on a tiny slice with a tiny model, offline."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_demo import load
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
+needs_shared = pytest.mark.skipif(not (SHARED / "e2e").exists(), reason="../shared/data not present")
+
+TINY = [
+    "--max_steps",
+    "2",
+    "--logging_steps",
+    "1",
+    "--use_cpu",
+    "true",
+    "--dataloader_pin_memory",
+    "false",
+    "--per_device_train_batch_size",
+    "8",
+    "--gradient_accumulation_steps",
+    "2",
+]
+
+
+@needs_shared
+@pytest.mark.parametrize(
+    "variant", [[], ["--lora_r", "2", "--lora_target_modules", "c_attn"], ["--prefix_tokens", "2"]]
+)
+def test_table_to_text_e2e(tmp_path, variant):
+    example = load("table_to_text")
+    out = tmp_path / "e2e"
+    report = example.main(
+        [
+            "--model_name_or_path",
+            str(SHARED / "tokenizers" / "gpt2"),
+            "--from_scratch",
+            "--config_overrides",
+            "n_layer=1,n_embd=32,n_head=2",
+            "--train_file",
+            str(SHARED / "e2e" / "prefix_format" / "train.txt.gz"),
+            "--test_references",
+            str(SHARED / "e2e" / "grouped_refs" / "test_grouped.jsonl"),
+            "--max_train_samples",
+            "64",
+            "--max_test_samples",
+            "3",
+            "--num_beams",
+            "2",
+            "--max_new_tokens",
+            "6",
+            "--output_dir",
+            str(out),
+            "--noise_multiplier",
+            "1.0",
+            *TINY,
+            *variant,
+        ]
+    )
+    assert report["privacy"]["private"] and report["privacy"]["steps"] == 2
+    assert set(report["metrics"]) == {"bleu", "rougeL", "test_tables"}
+    assert len((out / "predictions.txt").read_text().splitlines()) == 3
+    assert json.loads((out / "results.json").read_text())["task"] == "table_to_text"
+    assert "## Differential privacy" in (out / "README.md").read_text()
+
+
+@needs_shared
+def test_table_to_text_dart_and_non_private_baseline(tmp_path):
+    example = load("table_to_text")
+    dart = str(SHARED / "dart" / "dart-v1.1.1-full-dev.json.gz")
+    report = example.main(
+        [
+            "--model_name_or_path",
+            str(SHARED / "tokenizers" / "gpt2"),
+            "--from_scratch",
+            "--config_overrides",
+            "n_layer=1,n_embd=32,n_head=2",
+            "--train_file",
+            dart,
+            "--test_references",
+            dart,
+            "--max_train_samples",
+            "32",
+            "--max_test_samples",
+            "2",
+            "--num_beams",
+            "1",
+            "--max_new_tokens",
+            "4",
+            "--output_dir",
+            str(tmp_path / "dart"),
+            "--disable_dp",
+            "--target_epsilon",
+            "3",
+            *TINY,
+        ]
+    )
+    assert report["privacy"] == {"private": False}
+
+
+def _tiny_mlm(path: Path, sentences):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import BertConfig, BertForMaskedLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok.train_from_iterator(sentences + ["It was great terrible ."], trainers.WordLevelTrainer(special_tokens=specials))
+    from tokenizers.processors import TemplateProcessing
+
+    tok.post_processor = TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))],
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+    fast.save_pretrained(path)
+    cfg = BertConfig(
+        vocab_size=len(fast),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    BertForMaskedLM(cfg).save_pretrained(path)
+
+
+@pytest.mark.parametrize("head", ["prompt", "classification"])
+def test_text_classification(tmp_path, head):
+    sentences = [f"a {w} movie" for w in ["good", "bad", "fine", "dull", "fun", "long"] * 8]
+    data = tmp_path / "train.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(sentences)))
+    model_dir = tmp_path / "mlm"
+    _tiny_mlm(model_dir, sentences)
+    example = load("text_classification")
+    report = example.main(
+        [
+            "--model_name_or_path",
+            str(model_dir),
+            "--head",
+            head,
+            "--train_file",
+            str(data),
+            "--validation_file",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--target_epsilon",
+            "8",
+            "--eval_strategy",
+            "no",
+            "--max_eval_samples",
+            "16",
+            *TINY,
+        ]
+    )
+    privacy = report["privacy"]
+    assert privacy["private"] and privacy["epsilon"]["rdp"] <= 8.0 and privacy["steps"] == 2
+    assert 0.0 <= report["metrics"]["eval_accuracy"] <= 1.0
+
+
+def test_examples_parse_help():
+    for name in ["table_to_text", "text_classification"]:
+        example = load(name)
+        with pytest.raises(SystemExit) as exit_info:
+            sys.argv = [name, "--help"]
+            example.main(["--help"])
+        assert exit_info.value.code == 0

@@ -8,6 +8,7 @@ Gaussian noise is added once per logical step (before the Trainer reads ``grad_n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -181,18 +182,17 @@ class DPTrainer(Trainer):
             )
         if args.auto_find_batch_size:
             raise ValueError("`auto_find_batch_size=True` changes the sample rate mid-training; set it to False.")
-        if args.world_size > 1:
-            raise ValueError(
-                f"DPTrainer does not support distributed training yet (world_size={args.world_size}); run on one "
-                "process. Multi-process support is planned."
-            )
         if args.n_gpu > 1:
             raise ValueError(
                 f"DPTrainer does not support torch.nn.DataParallel ({args.n_gpu} GPUs visible to one process): the "
                 "replicas would not run the book-keeping hooks. Set CUDA_VISIBLE_DEVICES to one GPU."
             )
         if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
-            raise ValueError("DPTrainer does not support DeepSpeed or FSDP: their gradient sharding bypasses clipping.")
+            raise ValueError(
+                "DPTrainer does not support DeepSpeed or FSDP yet: they shard and reduce gradients inside autograd, "
+                "which book-keeping bypasses, so training would be wrong. Use plain data parallelism "
+                "(`accelerate launch --multi_gpu` or `torchrun`) without a DeepSpeed/FSDP config."
+            )
         plan_coverage(model)  # BatchNorm, uncovered trainable parameters: fail now, not at the first step
 
     # ------------------------------------------------------------------ data
@@ -292,15 +292,56 @@ class DPTrainer(Trainer):
             loss = torch.zeros((), device=self.args.device)
         else:
             self._dp_step_active = True
+            # DDP must not reduce: BK puts the clipped sums in p.grad outside autograd, and they are all-reduced
+            # once per logical step below (ranks with an empty micro-batch skip the backward without deadlock).
+            no_sync = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
             try:
-                loss = super().training_step(model, inputs, num_items_in_batch)
+                with no_sync:
+                    loss = super().training_step(model, inputs, num_items_in_batch)
             finally:
                 self._dp_step_active = False
             # The backward ran on w * sum_i loss_i: clip at w*C in its units (Li et al. 2022, App. T: K*C in fp16).
             self.clipper.finish(loss_scale=scale)
         if self.accelerator.sync_gradients:
-            self._add_noise(scale)
+            # Noise once per logical step: the main process adds N(0, sigma^2 C^2) to its share of the sum before
+            # the all-reduce, so the global sum carries it exactly once.
+            if self.accelerator.is_main_process:
+                self._add_noise(scale)
+            else:
+                self._ensure_grads()
+            if self.accelerator.num_processes > 1:
+                self._all_reduce_grads()
         return loss
+
+    def _trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.clipper.model.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def _ensure_grads(self) -> None:
+        for p in self._trainable_parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    @torch.no_grad()
+    def _all_reduce_grads(self, bucket_elements: int = 2**24) -> None:
+        """Sum ``p.grad`` over processes, in flat buckets (one all-reduce per ~16M elements), once per step."""
+        import torch.distributed as dist
+
+        grads = [p.grad for p in self._trainable_parameters()]
+        buckets: dict[tuple, list[list[torch.Tensor]]] = {}
+        for g in grads:
+            groups = buckets.setdefault((g.device, g.dtype), [[]])
+            if groups[-1] and sum(t.numel() for t in groups[-1]) + g.numel() > bucket_elements:
+                groups.append([])
+            groups[-1].append(g)
+        for groups in buckets.values():
+            for group in groups:
+                flat = torch.cat([t.reshape(-1) for t in group])
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
 
     @torch.no_grad()
     def _add_noise(self, scale: float) -> None:
@@ -308,9 +349,7 @@ class DPTrainer(Trainer):
         (sum + noise) / L, noise drawn once per logical step from the checkpointed generator."""
         std = scale * self.dp_noise_multiplier * self.args.per_sample_max_grad_norm
         callback = self.dp_callback
-        for p in self.clipper.model.parameters():
-            if not p.requires_grad:
-                continue
+        for p in self._trainable_parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             if std > 0:

@@ -26,6 +26,13 @@ DP_FIELDS = {
 }
 
 
+#: Defaults shared by the examples (Li et al. 2022): C = 0.1, constant learning rate, no weight decay; quiet logs.
+COMMON_DEFAULTS = (
+    "--per_sample_max_grad_norm 0.1 --lr_scheduler_type constant --weight_decay 0 --save_strategy no "
+    "--report_to none --logging_steps 10 --disable_tqdm true"
+).split()
+
+
 def parse_args(dataclass_types, defaults: list[str], argv: list[str] | None = None):
     """Parse ``dataclass_types + (DPTrainingArguments,)``; with ``--disable_dp``, plain ``TrainingArguments``
     (the non-private baseline of the same script; DP-only flags are then ignored)."""
@@ -68,7 +75,7 @@ class PrintEpsilon(TrainerCallback):
     """One short line per logging step: loss and epsilon."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
+        if logs and "loss" in logs and state.is_world_process_zero:
             eps = "  ".join(f"{k} {v:.3f}" for k, v in logs.items() if k.startswith("epsilon"))
             print(f"step {state.global_step}/{state.max_steps}  loss {logs['loss']:.4f}  {eps}", flush=True)
 

@@ -29,7 +29,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PrintEpsilon, make_trainer, parse_args, privacy_report, write_report  # noqa: E402
+from common import COMMON_DEFAULTS, PrintEpsilon, make_trainer, parse_args, privacy_report, write_report  # noqa: E402
 
 SEPARATOR = " ||"
 
@@ -215,30 +215,9 @@ def score(predictions: list[str], references: list[list[str]]) -> dict[str, floa
 
 
 def main(argv=None):
-    defaults = [
-        "--per_sample_max_grad_norm",
-        "0.1",
-        "--per_device_train_batch_size",
-        "16",
-        "--gradient_accumulation_steps",
-        "64",
-        "--learning_rate",
-        "5e-4",
-        "--num_train_epochs",
-        "10",
-        "--lr_scheduler_type",
-        "constant",
-        "--weight_decay",
-        "0",
-        "--save_strategy",
-        "no",
-        "--report_to",
-        "none",
-        "--logging_steps",
-        "10",
-        "--disable_tqdm",
-        "true",
-    ]
+    own = "--per_device_train_batch_size 16 --gradient_accumulation_steps 64 "
+    own += "--learning_rate 5e-4 --num_train_epochs 10"
+    defaults = [*COMMON_DEFAULTS, *own.split()]
     model_args, data_args, args, disable_dp = parse_args((ModelArguments, DataArguments), defaults, argv)
     start = time.time()
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
@@ -285,7 +264,8 @@ def main(argv=None):
         with open(Path(args.output_dir) / "predictions.txt", "w", encoding="utf-8") as f:
             f.write("\n".join(predictions) + "\n")
     report["wall_time_s"] = round(time.time() - start, 1)
-    write_report(args.output_dir, report)
+    if trainer.is_world_process_zero():
+        write_report(args.output_dir, report)
     return report
 
 

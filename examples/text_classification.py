@@ -36,7 +36,7 @@ from transformers import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PrintEpsilon, make_trainer, parse_args, privacy_report, write_report  # noqa: E402
+from common import COMMON_DEFAULTS, PrintEpsilon, make_trainer, parse_args, privacy_report, write_report  # noqa: E402
 
 
 @dataclass
@@ -119,32 +119,9 @@ def prompt_loss(outputs, labels, num_items_in_batch=None, *, word_ids, per_examp
 
 
 def main(argv=None):
-    defaults = [
-        "--per_sample_max_grad_norm",
-        "0.1",
-        "--per_device_train_batch_size",
-        "32",
-        "--gradient_accumulation_steps",
-        "32",
-        "--learning_rate",
-        "5e-4",
-        "--num_train_epochs",
-        "3",
-        "--lr_scheduler_type",
-        "constant",
-        "--weight_decay",
-        "0",
-        "--eval_strategy",
-        "epoch",
-        "--save_strategy",
-        "no",
-        "--report_to",
-        "none",
-        "--logging_steps",
-        "10",
-        "--disable_tqdm",
-        "true",
-    ]
+    own = "--per_device_train_batch_size 32 --gradient_accumulation_steps 32 "
+    own += "--learning_rate 5e-4 --num_train_epochs 3 --eval_strategy epoch"
+    defaults = [*COMMON_DEFAULTS, *own.split()]
     model_args, data_args, args, disable_dp = parse_args((ModelArguments, DataArguments), defaults, argv)
     start = time.time()
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
@@ -222,7 +199,8 @@ def main(argv=None):
         "privacy": privacy_report(trainer),
         "metrics": {"eval_accuracy": metrics.get("eval_accuracy"), "eval_loss": metrics.get("eval_loss")},
     }
-    write_report(args.output_dir, report)
+    if trainer.is_world_process_zero():
+        write_report(args.output_dir, report)
     return report
 
 

@@ -121,3 +121,25 @@ def test_empty_batch_is_a_no_op():
     clipper.backward(model(torch.zeros(0, 4, dtype=torch.long)).sum((1, 2)))
     assert clipper.per_example_norms.shape == (0,)
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("mode", ["bk", "bk-mixopt"])
+def test_loss_scaled_backward_clips_at_k_times_c(float64, mode):
+    """fp16 loss scaling (Li et al. 2022, App. T): a backward of K * sum(loss) with finish(loss_scale=K) gives
+    K times the clipped sum of the unscaled run, with the same (true) per-example norms."""
+    torch.manual_seed(0)
+    batch = causal_batches()[0]
+    k = 1024.0
+    plain, scaled = gpt2().double(), gpt2().double()
+    scaled.load_state_dict(plain.state_dict())
+    clip_plain = BookKeepingClipper(plain, max_grad_norm=0.3, mode=mode)
+    clip_plain.backward(causal_loss(plain, batch))
+    clip_scaled = BookKeepingClipper(scaled, max_grad_norm=0.3, mode=mode)
+    loss = causal_loss(scaled, batch)
+    clip_scaled.prepare(loss)
+    (k * loss.sum()).backward()
+    clip_scaled.finish(loss_scale=k)
+    torch.testing.assert_close(clip_scaled.per_example_norms, clip_plain.per_example_norms, rtol=1e-10, atol=0)
+    assert (clip_plain.per_example_norms > 0.3).any()
+    for p, q in zip(plain.parameters(), scaled.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, k * p.grad, rtol=1e-9, atol=1e-12)

@@ -370,10 +370,13 @@ class BookKeepingClipper:
             with self._suspended():
                 (per_example_loss * coef.to(per_example_loss.dtype)).sum().backward()
         else:
-            for p, grads in grads_by_param.items():
+            self._uses = []  # from here on grads_by_param holds the only references to the book-kept factors
+            for p in list(grads_by_param):
+                grads = grads_by_param.pop(p)  # freed as we go: the peak is not "all factors + all gradients"
                 total = weighted_sum(grads[0], coef, p.dtype, keep)
                 for g in grads[1:]:
                     total += weighted_sum(g, coef, p.dtype, keep)
+                del grads
                 p.grad = total if p.grad is None else p.grad + total
         self._uses = []
         for origin in self._origins.values():

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
-__all__ = ["DP_TAGS", "DPModelCardData", "render_dp_section", "template_path"]
+__all__ = ["DP_TAGS", "DPModelCardData", "render_dp_section", "template_path", "write_dp_model_card"]
 
 DP_TAGS = ["differential-privacy", "hf-dp"]
 TEMPLATE_NAME = "dp_model_card.md"
@@ -78,3 +78,24 @@ def render_dp_section(data: DPModelCardData) -> str:
         optimizer=data.optimizer,
         sampling_note=note,
     )
+
+
+def write_dp_model_card(output_dir: str, section: str) -> None:
+    """Add (or replace) the DP section and tags in ``output_dir/README.md``, creating a minimal card if needed."""
+    import os
+
+    from huggingface_hub import ModelCard, ModelCardData
+
+    path = os.path.join(output_dir, "README.md")
+    if os.path.exists(path):
+        card = ModelCard.load(path)
+    else:
+        name = os.path.basename(os.path.abspath(output_dir))
+        card = ModelCard(f"---\n{ModelCardData().to_yaml()}\n---\n\n# {name}\n\nFine-tuned with hf_dp's DPTrainer.\n")
+    card.data.tags = list(dict.fromkeys([*(card.data.tags or []), *DP_TAGS]))
+    text = card.text
+    marker = "## Differential privacy"
+    if marker in text:
+        text = text[: text.index(marker)].rstrip() + "\n"
+    card.text = text.rstrip() + "\n\n" + section
+    card.save(path)

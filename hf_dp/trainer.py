@@ -18,18 +18,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset
-from transformers import Trainer, TrainingArguments
+from torch.utils.data import DataLoader
+from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint, seed_worker
 from transformers.utils import is_datasets_available
 
 from .accounting import noise_multiplier as calibrate_noise_multiplier
 from .arguments import DPTrainingArguments
 from .callback import DPCallback
+from .checks import check_before_init, dp_arguments
 from .collators import EmptyBatchSafeCollator, is_empty_batch
-from .engine import BookKeepingClipper, plan_coverage
+from .distributed import all_reduce_sum_
+from .engine import BookKeepingClipper
 from .losses import PER_EXAMPLE_LOSSES, infer_loss_type
-from .model_card import DP_TAGS, DPModelCardData, render_dp_section
+from .model_card import DP_TAGS, DPModelCardData, render_dp_section, write_dp_model_card
 from .sampler import PoissonBatchSampler
 
 logger = logging.getLogger(__name__)
@@ -79,8 +81,8 @@ class DPTrainer(Trainer):
         optimizer_cls_and_kwargs=None,
         preprocess_logits_for_metrics=None,
     ) -> None:
-        args = self._dp_arguments(args)
-        self._check_before_init(model, args, train_dataset, model_init)
+        args = dp_arguments(args)
+        check_before_init(model, args, train_dataset, model_init)
         num_examples = len(train_dataset)
         world_size = args.world_size
         self.expected_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
@@ -151,49 +153,6 @@ class DPTrainer(Trainer):
         self._dp_step_active = False
         if hasattr(self.model, "add_model_tags"):
             self.model.add_model_tags(self._tag_names)
-
-    # ------------------------------------------------------------------ set-up checks
-    @staticmethod
-    def _dp_arguments(args: TrainingArguments | None) -> DPTrainingArguments:
-        if args is None:
-            raise ValueError(
-                "DPTrainer needs `args=DPTrainingArguments(...)` with `target_epsilon` or `noise_multiplier`: there is "
-                "no safe default privacy level."
-            )
-        if isinstance(args, DPTrainingArguments):
-            return args
-        if isinstance(args, TrainingArguments):
-            raise ValueError(
-                "DPTrainer got a plain `TrainingArguments`; use `DPTrainingArguments(**args.to_dict(), "
-                "target_epsilon=...)` so that the privacy settings are explicit."
-            )
-        raise TypeError(f"`args` must be DPTrainingArguments, got {type(args).__name__}")
-
-    @staticmethod
-    def _check_before_init(model, args: DPTrainingArguments, train_dataset, model_init) -> None:
-        if model_init is not None or model is None:
-            raise ValueError("DPTrainer needs `model`; `model_init` (hyperparameter search) is not supported yet.")
-        if train_dataset is None:
-            raise ValueError("DPTrainer needs `train_dataset`: its size N sets the sample rate and delta.")
-        if isinstance(train_dataset, IterableDataset) or not hasattr(train_dataset, "__len__"):
-            raise ValueError(
-                "DPTrainer needs a `train_dataset` with a length (map-style), because Poisson sampling draws each "
-                "example with probability q = L/N. Convert the iterable dataset to a map-style one."
-            )
-        if args.auto_find_batch_size:
-            raise ValueError("`auto_find_batch_size=True` changes the sample rate mid-training; set it to False.")
-        if args.n_gpu > 1:
-            raise ValueError(
-                f"DPTrainer does not support torch.nn.DataParallel ({args.n_gpu} GPUs visible to one process): the "
-                "replicas would not run the book-keeping hooks. Set CUDA_VISIBLE_DEVICES to one GPU."
-            )
-        if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
-            raise ValueError(
-                "DPTrainer does not support DeepSpeed or FSDP yet: they shard and reduce gradients inside autograd, "
-                "which book-keeping bypasses, so training would be wrong. Use plain data parallelism "
-                "(`accelerate launch --multi_gpu` or `torchrun`) without a DeepSpeed/FSDP config."
-            )
-        plan_coverage(model)  # BatchNorm, uncovered trainable parameters: fail now, not at the first step
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
@@ -323,25 +282,8 @@ class DPTrainer(Trainer):
                 p.grad = torch.zeros_like(p)
 
     @torch.no_grad()
-    def _all_reduce_grads(self, bucket_elements: int = 2**24) -> None:
-        """Sum ``p.grad`` over processes, in flat buckets (one all-reduce per ~16M elements), once per step."""
-        import torch.distributed as dist
-
-        grads = [p.grad for p in self._trainable_parameters()]
-        buckets: dict[tuple, list[list[torch.Tensor]]] = {}
-        for g in grads:
-            groups = buckets.setdefault((g.device, g.dtype), [[]])
-            if groups[-1] and sum(t.numel() for t in groups[-1]) + g.numel() > bucket_elements:
-                groups.append([])
-            groups[-1].append(g)
-        for groups in buckets.values():
-            for group in groups:
-                flat = torch.cat([t.reshape(-1) for t in group])
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-                offset = 0
-                for t in group:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+    def _all_reduce_grads(self) -> None:
+        all_reduce_sum_([p.grad for p in self._trainable_parameters()])
 
     @torch.no_grad()
     def _add_noise(self, scale: float) -> None:
@@ -468,20 +410,4 @@ class DPTrainer(Trainer):
             self._write_dp_section(output_dir or self.args.output_dir)
 
     def _write_dp_section(self, output_dir: str) -> None:
-        from huggingface_hub import ModelCard, ModelCardData
-
-        path = os.path.join(output_dir, "README.md")
-        if os.path.exists(path):
-            card = ModelCard.load(path)
-        else:
-            name = os.path.basename(os.path.abspath(output_dir))
-            card = ModelCard(
-                f"---\n{ModelCardData().to_yaml()}\n---\n\n# {name}\n\nFine-tuned with hf_dp's DPTrainer.\n"
-            )
-        card.data.tags = list(dict.fromkeys([*(card.data.tags or []), *DP_TAGS]))
-        text = card.text
-        marker = "## Differential privacy"
-        if marker in text:
-            text = text[: text.index(marker)].rstrip() + "\n"
-        card.text = text.rstrip() + "\n\n" + self.dp_model_card_section()
-        card.save(path)
+        write_dp_model_card(output_dir, self.dp_model_card_section())

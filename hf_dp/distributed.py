@@ -1,0 +1,28 @@
+"""Collective helpers for data-parallel DP training."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["all_reduce_sum_"]
+
+
+@torch.no_grad()
+def all_reduce_sum_(tensors: list[torch.Tensor], *, bucket_elements: int = 2**24) -> None:
+    """Sum ``tensors`` in place over all processes, in flat buckets (one all-reduce per ~16M elements per dtype)."""
+    import torch.distributed as dist
+
+    buckets: dict[tuple, list[list[torch.Tensor]]] = {}
+    for t in tensors:
+        groups = buckets.setdefault((t.device, t.dtype), [[]])
+        if groups[-1] and sum(x.numel() for x in groups[-1]) + t.numel() > bucket_elements:
+            groups.append([])
+        groups[-1].append(t)
+    for groups in buckets.values():
+        for group in groups:
+            flat = torch.cat([t.reshape(-1) for t in group])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()

@@ -81,6 +81,7 @@ def check_clipper(
         grad = params[name].grad
         assert grad is not None, f"{name} got no gradient"
         assert_rel_close(grad, sum_expected[name], rel, name, scale)
+    clipper.rules_used = dict(clipper.hooked_modules)  # module name -> rule, recorded before remove()
     clipper.remove()
     assert {n: p.requires_grad for n, p in model.named_parameters()} == before
     return clipper

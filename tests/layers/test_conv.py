@@ -49,4 +49,4 @@ def test_grouped_conv_uses_fallback(float64):
     clipper = check_clipper(
         net, [{"x": torch.randn(4, 4, 6, 6)}], lambda m, b: (m(b["x"]) ** 2).sum((1, 2, 3)), mode="bk"
     )
-    assert clipper is not None
+    assert clipper.rules_used["0"] == "FallbackRule"

@@ -34,6 +34,8 @@ def main(argv=None):
     p.add_argument("--data", default=str(DATA))
     p.add_argument("--max_train_samples", type=int, default=None)
     p.add_argument("--head", default="classification")
+    p.add_argument("--only", nargs="+", default=None, help="run only these (e.g. non-private dp-eps3)")
+    p.add_argument("--collect", action="store_true", help="print the lines of finished runs without running")
     args = p.parse_args(argv)
     model = minilm_path()
     common = [
@@ -96,10 +98,15 @@ def main(argv=None):
     rows = []
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     for name, extra in runs.items():
+        if args.only and name not in args.only:
+            continue
         out = os.path.join(args.out, name)
-        proc = subprocess.run([*common, *extra, "--output_dir", out], capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            print(f"{name}\tFAILED\t{proc.stderr.strip().splitlines()[-1:]}", flush=True)
+        if not args.collect:
+            proc = subprocess.run([*common, *extra, "--output_dir", out], capture_output=True, text=True, env=env)
+            if proc.returncode != 0:
+                print(f"{name}\tFAILED\t{proc.stderr.strip().splitlines()[-1:]}", flush=True)
+                continue
+        if not os.path.exists(os.path.join(out, "results.json")):
             continue
         with open(os.path.join(out, "results.json")) as f:
             r = json.load(f)

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..layers import Captured
-from ..layers.embedding import EmbeddingRule
+from ..layers import Captured, UnsupportedModuleError
 from .coverage import HookedModule, plan_coverage, trainable_parameters
 from .per_example import (
     FactoredGrad,
@@ -131,7 +130,7 @@ class BookKeepingClipper:
         for p in self._trainable:
             self._norm_dtype = torch.promote_types(self._norm_dtype, compute_dtype(p.dtype))
         for hooked in self._hooked:
-            if isinstance(hooked.rule, EmbeddingRule) or type(hooked.rule).__name__ == "LoraEmbeddingRule":
+            if hooked.rule.expands_batch_one:
                 self._module_handles.append(hooked.module.register_forward_pre_hook(self._expand_batch_one))
             self._module_handles.append(
                 hooked.module.register_forward_hook(self._make_forward_hook(hooked), with_kwargs=True)
@@ -210,8 +209,6 @@ class BookKeepingClipper:
             if not self._capturing:
                 return None
             if not isinstance(output, Tensor):
-                from ..layers import UnsupportedModuleError
-
                 raise UnsupportedModuleError(
                     f"Module `{hooked.name}` ({type(module).__name__}) returned {type(output).__name__}; hf_dp hooks "
                     "modules that return one tensor."

@@ -40,6 +40,9 @@ class LayerRule:
     param_names: tuple[str, ...] = ("weight", "bias")
     #: Whether the rule needs the call's keyword arguments and output (the fallback does; the others do not).
     needs_kwargs: bool = False
+    #: Whether the module is a pure lookup of integer ids, so that a ``[1, T]`` input (HF position ids) can be
+    #: expanded to the batch without changing the result.
+    expands_batch_one: bool = False
 
     def check(self, module: nn.Module, name: str) -> None:
         """Raise :class:`UnsupportedModuleError` if this configuration of the module is not supported."""

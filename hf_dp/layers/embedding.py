@@ -31,6 +31,7 @@ def one_hot_ids(ids: Tensor, num_rows: int, padding_idx: int | None) -> IndexFac
 @register_rule(nn.Embedding)
 class EmbeddingRule(LayerRule):
     param_names = ("weight",)
+    expands_batch_one = True
 
     def check(self, module: nn.Embedding, name: str) -> None:
         if module.max_norm is not None:

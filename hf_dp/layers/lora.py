@@ -33,6 +33,8 @@ if LoraEmbedding is not None:
 
     @register_rule(LoraEmbedding)
     class LoraEmbeddingRule(LayerRule):
+        expands_batch_one = True
+
         def parameters(self, module: nn.Module) -> list[nn.Parameter]:
             return [p for d in (module.lora_embedding_A, module.lora_embedding_B) for p in d.values()]
 

@@ -34,6 +34,10 @@ def main(argv=None):
     p.add_argument("--data", default=str(DATA))
     p.add_argument("--max_train_samples", type=int, default=None)
     p.add_argument("--head", default="classification")
+    p.add_argument("--logical_batch", type=int, default=512, help="expected DP batch L")
+    p.add_argument("--micro_batch", type=int, default=32, help="DP micro-batch (grouped by length)")
+    p.add_argument("--dp_learning_rate", default="1e-3")
+    p.add_argument("--accountant", default="rdp", help="accountant that calibrates sigma to the target epsilon")
     p.add_argument("--only", nargs="+", default=None, help="run only these (e.g. non-private dp-eps3)")
     p.add_argument("--collect", action="store_true", help="print the lines of finished runs without running")
     args = p.parse_args(argv)
@@ -63,6 +67,8 @@ def main(argv=None):
         "true",
         "--dataloader_pin_memory",
         "false",
+        "--train_sampling_strategy",
+        "group_by_length",
     ]
     if args.max_train_samples:
         common += ["--max_train_samples", str(args.max_train_samples)]
@@ -70,14 +76,16 @@ def main(argv=None):
         f"dp-eps{eps:g}": [
             "--target_epsilon",
             str(eps),
+            "--accountant",
+            args.accountant,
             "--per_sample_max_grad_norm",
             "0.1",
             "--per_device_train_batch_size",
-            "128",
+            str(args.micro_batch),
             "--gradient_accumulation_steps",
-            "4",
+            str(args.logical_batch // args.micro_batch),
             "--learning_rate",
-            "1e-3",
+            args.dp_learning_rate,
         ]
         for eps in args.epsilons
     }
@@ -119,7 +127,8 @@ def main(argv=None):
         if privacy.get("private"):
             line += (
                 f"\teps(rdp)={float(eps['rdp']):.3f}\teps(prv)={float(eps['prv']):.3f}\tdelta={float(privacy['delta']):.2g}"
-                f"\tsigma={float(privacy['noise_multiplier']):.3f}\tsteps={privacy['steps']}\tL={privacy['expected_batch_size']}"
+                f"\tcalibrated by {privacy.get('accountant', '?')}\tsigma={float(privacy['noise_multiplier']):.3f}"
+                f"\tsteps={privacy['steps']}\tL={privacy['expected_batch_size']}"
             )
         print(line, flush=True)
         rows.append((name, r))

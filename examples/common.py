@@ -26,10 +26,11 @@ DP_FIELDS = {
 }
 
 
-#: Defaults shared by the examples (Li et al. 2022): C = 0.1, constant learning rate, no weight decay; quiet logs.
+#: Defaults shared by the examples (Li et al. 2022): C = 0.1, constant learning rate, no weight decay; quiet logs;
+#: micro-batches grouped by length (for DP: within each Poisson batch, which keeps the guarantee).
 COMMON_DEFAULTS = (
     "--per_sample_max_grad_norm 0.1 --lr_scheduler_type constant --weight_decay 0 --save_strategy no "
-    "--report_to none --logging_steps 10 --disable_tqdm true"
+    "--report_to none --logging_steps 10 --disable_tqdm true --train_sampling_strategy group_by_length"
 ).split()
 
 
@@ -88,6 +89,7 @@ def privacy_report(trainer: Trainer) -> dict:
     return {
         "private": True,
         "epsilon": {name: trainer.epsilon(name) for name in names},
+        "accountant": args.accountant,
         "delta": trainer.delta,
         "noise_multiplier": trainer.dp_noise_multiplier,
         "sample_rate": trainer.sample_rate,

@@ -49,6 +49,9 @@ class DPTrainingArguments(TrainingArguments):
             Draw each logical batch by including every example independently with probability
             `q = per_device_train_batch_size * gradient_accumulation_steps * world_size / N` (what the accountants
             assume). `False` uses shuffled fixed-size batches, for which the accounting is only a heuristic.
+            With `train_sampling_strategy="group_by_length"` each Poisson batch is ordered by length before it is cut
+            into micro-batches (less padding, same examples per step, same guarantee); `"sequential"` and
+            `"batch_rebalance"` are errors, because they choose the examples of a batch.
         clipping_mode (`str`, *optional*, defaults to `"bk-mixopt"`):
             `"bk-mixopt"` (per layer, the cheaper of ghost norm and instantiation), `"bk"` (ghost norm everywhere)
             or `"per-sample"` (instantiate every per-example gradient).
@@ -167,11 +170,12 @@ class DPTrainingArguments(TrainingArguments):
                     "`dataloader_drop_last=True` is not supported with Poisson sampling, because logical batches have "
                     "random sizes by design. Set `dataloader_drop_last=False` (or `poisson_sampling=False`)."
                 )
-            if self.train_sampling_strategy in ("group_by_length", "batch_rebalance"):
+            if self.train_sampling_strategy in ("sequential", "batch_rebalance"):
                 raise ValueError(
                     f"`train_sampling_strategy={self.train_sampling_strategy!r}` is not supported with Poisson "
-                    "sampling, because it chooses batches by length and so breaks the sampling the accountant assumes. "
-                    "Set `train_sampling_strategy='random'`."
+                    "sampling, because it chooses which examples form a batch and so breaks the sampling the "
+                    "accountant assumes. Use 'random', or 'group_by_length' (which only orders each Poisson batch by "
+                    "length before cutting it into micro-batches)."
                 )
         if self.gradient_checkpointing:
             raise ValueError(

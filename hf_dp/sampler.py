@@ -8,12 +8,17 @@ accumulation boundaries are the logical-batch boundaries.
 The draws of epoch ``e`` come from a generator seeded by ``(seed, e)`` alone, so that resuming from a checkpoint (which
 skips the micro-batches already seen in the epoch) replays exactly the same batches. With several processes, every
 rank draws the same logical batch and keeps its own share, so that the union over ranks is one Poisson draw.
+
+Given example lengths, each logical batch is ordered longest first before it is shared and split, so that every
+micro-batch holds examples of similar length and pads little. This changes only how a logical batch is cut into
+micro-batches, never which examples it holds, so the privacy analysis is unchanged (clipping is per example and noise is
+added once per logical batch).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -32,6 +37,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
         seed (`int`, *optional*, defaults to 0): base seed; epoch ``e`` uses ``(seed, e)``.
         num_replicas (`int`, *optional*, defaults to 1): number of processes sharing each logical batch.
         rank (`int`, *optional*, defaults to 0): this process's share.
+        lengths (`Sequence[int]`, *optional*): length of every example; when given, micro-batches group examples of
+            similar length (longest first).
     """
 
     def __init__(
@@ -44,6 +51,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         seed: int = 0,
         num_replicas: int = 1,
         rank: int = 0,
+        lengths: Sequence[int] | None = None,
     ) -> None:
         if num_samples <= 0:
             raise ValueError(f"`num_samples` must be > 0, got {num_samples}.")
@@ -53,6 +61,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
             raise ValueError(f"`num_micro_batches` must be >= 1, got {num_micro_batches}.")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"`rank` must be in [0, {num_replicas}), got {rank}.")
+        if lengths is not None and len(lengths) != num_samples:
+            raise ValueError(f"`lengths` has {len(lengths)} entries for {num_samples} examples.")
         self.num_samples = num_samples
         self.sample_rate = sample_rate
         self.num_micro_batches = num_micro_batches
@@ -60,6 +70,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self.seed = seed
         self.num_replicas = num_replicas
         self.rank = rank
+        self.lengths = None if lengths is None else np.asarray(lengths)
         self.epoch = 0
 
     def __len__(self) -> int:
@@ -81,6 +92,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         for batch in self.logical_batches():
+            if self.lengths is not None:
+                batch = batch[np.argsort(-self.lengths[batch], kind="stable")]
             share = batch[self.rank :: self.num_replicas]
             for micro in np.array_split(share, self.num_micro_batches):
                 yield micro.tolist()

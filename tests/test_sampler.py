@@ -65,11 +65,47 @@ class TestPoissonBatchSampler:
             assert sorted(union) == sorted(batch)
             assert not set(rank_batches[0][t]) & set(rank_batches[1][t])
 
+    @pytest.mark.parametrize("num_replicas", [1, 2])
+    def test_grouping_by_length_keeps_the_draw_and_orders_micro_batches(self, num_replicas):
+        n, k = 60, 3
+        lengths = np.random.default_rng(5).integers(1, 50, n)
+        full_draw = list(PoissonBatchSampler(n, 0.5, 1, steps_per_epoch=8, seed=4).logical_batches())
+        for rank in range(num_replicas):
+            kwargs = dict(steps_per_epoch=8, seed=4, num_replicas=num_replicas, rank=rank)
+            grouped = PoissonBatchSampler(n, 0.5, k, lengths=lengths, **kwargs)
+            grouped_batches, micro = logical_batches(grouped)
+            for t, batch in enumerate(grouped_batches):
+                assert set(batch) <= set(full_draw[t].tolist())
+                if num_replicas == 1:
+                    assert sorted(batch) == full_draw[t].tolist()
+                parts = micro[k * t : k * t + k]
+                sizes = [len(p) for p in parts]
+                assert max(sizes) - min(sizes) <= 1
+                for longer, shorter in zip(parts, parts[1:], strict=False):
+                    if longer and shorter:
+                        assert lengths[longer].min() >= lengths[shorter].max()
+        if num_replicas > 1:  # the shares of all ranks still make up exactly one draw
+            shares = [
+                logical_batches(
+                    PoissonBatchSampler(n, 0.5, k, lengths=lengths, steps_per_epoch=8, seed=4, num_replicas=2, rank=r)
+                )[0]
+                for r in range(2)
+            ]
+            for t, draw in enumerate(full_draw):
+                assert sorted(shares[0][t] + shares[1][t]) == draw.tolist()
+
     def test_default_steps_per_epoch(self):
         assert PoissonBatchSampler(100, 0.03, 1).steps_per_epoch == 33
 
     @pytest.mark.parametrize(
-        "kwargs", [{"num_samples": 0}, {"sample_rate": 0.0}, {"sample_rate": 1.5}, {"num_micro_batches": 0}]
+        "kwargs",
+        [
+            {"num_samples": 0},
+            {"sample_rate": 0.0},
+            {"sample_rate": 1.5},
+            {"num_micro_batches": 0},
+            {"lengths": [3, 4]},
+        ],
     )
     def test_bad_arguments(self, kwargs):
         args = {"num_samples": 10, "sample_rate": 0.5, "num_micro_batches": 1, **kwargs}

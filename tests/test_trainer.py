@@ -20,7 +20,7 @@ SEQ = 8
 class ToyDataset(torch.utils.data.Dataset):
     """Right-padded token sequences with causal-LM labels and a class label."""
 
-    def __init__(self, n, seed=0, classification=False):
+    def __init__(self, n, seed=0, classification=False, trim=False):
         g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(3, VOCAB, (n, SEQ), generator=g)
         lengths = torch.randint(3, SEQ + 1, (n,), generator=g)
@@ -28,6 +28,7 @@ class ToyDataset(torch.utils.data.Dataset):
         self.ids = self.ids.masked_fill(self.mask == 0, 0)
         self.classes = torch.randint(0, 3, (n,), generator=g)
         self.classification = classification
+        self.trim = trim  # unpadded examples (pad with `pad_collate`)
 
     def __len__(self):
         return len(self.ids)
@@ -39,11 +40,29 @@ class ToyDataset(torch.utils.data.Dataset):
             item["labels"] = self.classes[i]
         else:
             item["labels"] = self.ids[i].masked_fill(self.mask[i] == 0, -100)
+        if self.trim:
+            length = int(self.mask[i].sum())
+            item = {k: v[:length] if v.dim() else v for k, v in item.items()}
         return item
 
 
 def collate(features):
     return {k: torch.stack([f[k] for f in features]) for k in features[0]}
+
+
+PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "token_type_ids": 0, "labels": -100}
+
+
+def pad_collate(features):
+    """Right-pads to the longest example of the micro-batch."""
+    longest = max(len(f["input_ids"]) for f in features)
+    batch = {}
+    for key in features[0]:
+        values = [f[key] for f in features]
+        if values[0].dim():
+            values = [torch.nn.functional.pad(v, (0, longest - len(v)), value=PAD_VALUES[key]) for v in values]
+        batch[key] = torch.stack(values)
+    return batch
 
 
 def dp_args(tmp_dir, **overrides):
@@ -68,7 +87,7 @@ def dp_args(tmp_dir, **overrides):
 
 def per_example_oracle(model, dataset, loss_kind, reduction="mean"):
     """[N] lists of per-example gradients by a loop of autograd calls (float64), independent of hf_dp."""
-    batch = collate([dataset[i] for i in range(len(dataset))])
+    batch = pad_collate([dataset[i] for i in range(len(dataset))])
     params = [p for p in model.parameters() if p.requires_grad]
     if loss_kind == "causal":
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -84,14 +103,25 @@ def per_example_oracle(model, dataset, loss_kind, reduction="mean"):
 
 
 class TestExactUpdate:
-    @pytest.mark.parametrize("kind", ["gpt2-tied", "bert-classifier"])
-    def test_one_sgd_step_is_the_clipped_mean(self, float64, tmp_dir, kind):
-        """sigma = 0, q = 1, SGD lr = 1: the update is exactly -(1/N) sum_i clip(g_i)."""
+    @pytest.mark.parametrize(
+        "kind,strategy",
+        [("gpt2-tied", "random"), ("bert-classifier", "random"), ("gpt2-tied", "group_by_length")],
+    )
+    def test_one_sgd_step_is_the_clipped_mean(self, float64, tmp_dir, kind, strategy):
+        """sigma = 0, q = 1, SGD lr = 1: the update is exactly -(1/N) sum_i clip(g_i), whether or not micro-batches
+        are grouped by length (variable-length examples, padded per micro-batch)."""
         torch.manual_seed(0)
         classification = kind == "bert-classifier"
         model = (bert_classifier() if classification else gpt2()).double()
         n = 8
-        dataset = ToyDataset(n, classification=classification)
+        dataset = ToyDataset(n, classification=classification, trim=True)
+        padded_tokens = []
+
+        def counting_collate(features):
+            batch = pad_collate(features)
+            padded_tokens.append(batch["input_ids"].numel())
+            return batch
+
         reference = copy.deepcopy(model)
         params, grads = per_example_oracle(reference, dataset, "class" if classification else "causal")
         norms = torch.stack([torch.sqrt(sum((g**2).sum() for g in gi)) for gi in grads])
@@ -111,15 +141,19 @@ class TestExactUpdate:
             max_steps=1,
             per_device_train_batch_size=4,
             gradient_accumulation_steps=2,
+            train_sampling_strategy=strategy,
         )
         before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-        trainer = DPTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate)
+        trainer = DPTrainer(model=model, args=args, train_dataset=dataset, data_collator=counting_collate)
         assert trainer.sample_rate == 1.0
         trainer.train()
         after = [p.detach() for p in model.parameters() if p.requires_grad]
         for b, a, e in zip(before, after, expected, strict=True):
             torch.testing.assert_close(a - b, -e, rtol=1e-6, atol=1e-10)
         assert trainer.dp_callback.steps == 1
+        if strategy == "group_by_length":  # the longest half first: exactly the least padding for two micro-batches
+            lengths = sorted((len(dataset[i]["input_ids"]) for i in range(n)), reverse=True)
+            assert padded_tokens == [4 * lengths[0], 4 * lengths[4]]
 
     def test_noise_has_the_calibrated_scale(self, tmp_dir):
         """The noise part of the update has norm sigma * C * sqrt(P) / L (within 10%)."""
@@ -352,7 +386,8 @@ class TestBadInput:
             ({"max_grad_norm": 1.0}, "max_grad_norm"),
             ({"target_delta": 1.5}, "target_delta"),
             ({"dataloader_drop_last": True}, "dataloader_drop_last"),
-            ({"train_sampling_strategy": "group_by_length"}, "group_by_length"),
+            ({"train_sampling_strategy": "batch_rebalance"}, "batch_rebalance"),
+            ({"train_sampling_strategy": "sequential"}, "sequential"),
             ({"per_sample_max_grad_norm": 0.0}, "per_sample_max_grad_norm"),
             ({"accountant": "moments"}, "accountant"),
             ({"clipping_mode": "ghost"}, "ghost"),
@@ -374,6 +409,12 @@ class TestBadInput:
         bn_model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
         with pytest.raises(ValueError, match="BatchNorm"):
             DPTrainer(model=bn_model, args=args, train_dataset=ToyDataset(40))
+        tuples = [(torch.ones(3, dtype=torch.long),)] * 40
+        grouped = DPTrainer(
+            model=gpt2(), args=dp_args(tmp_dir, train_sampling_strategy="group_by_length"), train_dataset=tuples
+        )
+        with pytest.raises(ValueError, match="length"):
+            grouped.get_train_dataloader()
 
     def test_delta_above_one_over_n_warns(self, tmp_dir, caplog):
         args = dp_args(tmp_dir, target_delta=0.1)

@@ -41,6 +41,8 @@ def main(argv=None):
     p.add_argument("--only", nargs="+", default=None, help="run only these (e.g. non-private dp-eps3)")
     p.add_argument("--collect", action="store_true", help="print the lines of finished runs without running")
     args = p.parse_args(argv)
+    if args.logical_batch % args.micro_batch:
+        p.error("--logical_batch must be a multiple of --micro_batch")
     model = minilm_path()
     common = [
         sys.executable,

@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import os
-from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -156,35 +155,15 @@ class DPTrainer(Trainer):
             self.model.add_model_tags(self._tag_names)
 
     # ------------------------------------------------------------------ data
-    def _example_lengths(self, dataset) -> list[int]:
-        """Lengths for ``train_sampling_strategy="group_by_length"``: the ``length_column_name`` column of a
-        ``datasets.Dataset`` if it has one, else the length of each example's first model input (as ``Trainer``)."""
-        column = self.args.length_column_name
-        name = "input_ids"
-        if self.processing_class is not None and getattr(self.processing_class, "model_input_names", None):
-            name = self.processing_class.model_input_names[0]
-        if is_datasets_available():
-            import datasets
-
-            if isinstance(dataset, datasets.Dataset):
-                if column in dataset.column_names:
-                    return list(dataset[column])
-                if name in dataset.column_names:
-                    return [len(ids) for ids in dataset[name]]
-        first = dataset[0]
-        if not isinstance(first, Mapping) or name not in first:
-            raise ValueError(
-                f"`train_sampling_strategy='group_by_length'` needs a `{column}` column or examples that are "
-                f"dictionaries with a '{name}' key, to know each example's length."
-            )
-        return [len(dataset[i][name]) for i in range(len(dataset))]
-
     def get_train_dataloader(self) -> DataLoader:
         """Poisson logical batches split into ``gradient_accumulation_steps`` micro-batches (may be empty)."""
         if not self.args.poisson_sampling:
             return super().get_train_dataloader()
         dataset, collator = self.train_dataset, self.data_collator
-        lengths = self._example_lengths(dataset) if self.args.train_sampling_strategy == "group_by_length" else None
+        lengths = None
+        if self.args.train_sampling_strategy == "group_by_length":
+            # Trainer's own LengthGroupedSampler resolves the lengths (length column, or the first model input).
+            lengths = super()._get_train_sampler(dataset).lengths
         if is_datasets_available():
             import datasets
 

@@ -34,9 +34,11 @@ def main(argv=None):
     p.add_argument("--data", default=str(DATA))
     p.add_argument("--max_train_samples", type=int, default=None)
     p.add_argument("--head", default="classification")
+    p.add_argument("--pooling", default="cls", choices=["cls", "mean"], help="classification head: cls or mean pooling")
     p.add_argument("--logical_batch", type=int, default=512, help="expected DP batch L")
     p.add_argument("--micro_batch", type=int, default=32, help="DP micro-batch (grouped by length)")
     p.add_argument("--dp_learning_rate", default="1e-3")
+    p.add_argument("--dp_lr_scheduler", default="constant", help="learning-rate schedule of the DP runs (e.g. linear)")
     p.add_argument("--accountant", default="rdp", help="accountant that calibrates sigma to the target epsilon")
     p.add_argument("--only", nargs="+", default=None, help="run only these (e.g. non-private dp-eps3)")
     p.add_argument("--collect", action="store_true", help="print the lines of finished runs without running")
@@ -51,6 +53,8 @@ def main(argv=None):
         model,
         "--head",
         args.head,
+        "--pooling",
+        args.pooling,
         "--train_file",
         f"{args.data}/train.tsv.gz",
         "--validation_file",
@@ -88,6 +92,8 @@ def main(argv=None):
             str(args.logical_batch // args.micro_batch),
             "--learning_rate",
             args.dp_learning_rate,
+            "--lr_scheduler_type",
+            args.dp_lr_scheduler,
         ]
         for eps in args.epsilons
     }
@@ -102,7 +108,7 @@ def main(argv=None):
     ]
     print(
         f"# machine: {platform.machine()} {os.cpu_count()} cpus; model all-MiniLM-L6-v2 (22.7M), SST-2, "
-        f"{args.epochs:g} epoch(s), head {args.head}",
+        f"{args.epochs:g} epoch(s), head {args.head} ({args.pooling} pooling)",
         flush=True,
     )
     rows = []
@@ -130,7 +136,7 @@ def main(argv=None):
             line += (
                 f"\teps(rdp)={float(eps['rdp']):.3f}\teps(prv)={float(eps['prv']):.3f}\tdelta={float(privacy['delta']):.2g}"
                 f"\tcalibrated by {privacy.get('accountant', '?')}\tsigma={float(privacy['noise_multiplier']):.3f}"
-                f"\tsteps={privacy['steps']}\tL={privacy['expected_batch_size']}"
+                f"\tsteps={privacy['steps']}\tL={privacy['expected_batch_size']}\tschedule={r.get('lr_scheduler', '?')}"
             )
         print(line, flush=True)
         rows.append((name, r))

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import COMMON_DEFAULTS, PrintEpsilon, make_trainer, parse_args, privacy_report, write_report  # noqa: E402
@@ -226,6 +226,7 @@ def main(argv=None):
     pairs = load_pairs(data_args)
     if data_args.max_train_samples:
         pairs = pairs[: data_args.max_train_samples]
+    set_seed(args.seed)  # --from_scratch initialization (and LoRA/prefix init) follows --seed
     model = build_model(model_args, tokenizer)
     dataset = TableToTextDataset(pairs, tokenizer, data_args.max_length)
     trainer = make_trainer(

@@ -4,7 +4,10 @@ Two heads:
 * ``--head prompt`` (default; Li et al. 2022): prompt infilling. Each sentence becomes ``<S> It was [MASK] .`` and the
   loss is the cross-entropy over the label words' logits (``terrible``/``great``) at the mask position; the MLM head
   is kept (aligned with pretraining).
-* ``--head classification``: the ordinary ``AutoModelForSequenceClassification`` head.
+* ``--head classification``: the ordinary ``AutoModelForSequenceClassification`` head (``--pooling cls``), or
+  ``--pooling mean``: a linear classifier on the attention-masked mean of the last hidden states, for encoders
+  pretrained with mean pooling (sentence-transformers models such as all-MiniLM-L6-v2), whose ``[CLS]`` pooler was
+  not trained. Like the prompt head, it starts from the representation the model was pretrained to produce.
 
     python examples/text_classification.py --model_name_or_path roberta-base \
         --train_file ../shared/data/sst2/train.tsv.gz --validation_file ../shared/data/sst2/dev.tsv \
@@ -26,14 +29,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 from transformers import (
     AutoConfig,
+    AutoModel,
     AutoModelForMaskedLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     DataCollatorForTokenClassification,
     DataCollatorWithPadding,
+    PreTrainedModel,
+    set_seed,
 )
+from transformers.modeling_outputs import SequenceClassifierOutput
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import COMMON_DEFAULTS, PrintEpsilon, make_trainer, parse_args, privacy_report, write_report  # noqa: E402
@@ -45,6 +53,14 @@ class ModelArguments:
     head: str = field(
         default="prompt",
         metadata={"help": "prompt (infilling) or classification.", "choices": ["prompt", "classification"]},
+    )
+    pooling: str = field(
+        default="cls",
+        metadata={
+            "help": "With --head classification: cls (the model's own head) or mean (masked mean of the last hidden "
+            "states, then a linear layer; for sentence-transformers encoders).",
+            "choices": ["cls", "mean"],
+        },
     )
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer, if not the model's."})
     config_overrides: str | None = field(
@@ -67,6 +83,53 @@ class DataArguments:
     max_length: int = field(default=128)
     max_train_samples: int | None = field(default=None)
     max_eval_samples: int | None = field(default=None)
+
+
+class MeanPoolingClassifier(nn.Module):
+    """An encoder (``AutoModel``), the attention-masked mean of its last hidden states, dropout, a linear layer.
+
+    Saved by the Trainer as a state dict (``encoder.*``, ``classifier.*``); the encoder alone is
+    ``model.encoder.save_pretrained(...)``.
+    """
+
+    def __init__(self, encoder: PreTrainedModel, num_labels: int):
+        super().__init__()
+        self.encoder = encoder
+        self.config = encoder.config
+        self.dropout = nn.Dropout(getattr(encoder.config, "hidden_dropout_prob", 0.1))
+        self.classifier = nn.Linear(encoder.config.hidden_size, num_labels)
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None, labels=None) -> SequenceClassifierOutput:
+        extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        logits = self.classifier(self.dropout(pooled))
+        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+def build_model(model_args: ModelArguments, num_labels: int) -> nn.Module:
+    """The masked LM (prompt head), the model's sequence-classification head, or a mean-pooling classifier."""
+    if model_args.head == "prompt":
+        model_cls, extra = AutoModelForMaskedLM, {}
+    elif model_args.pooling == "cls":
+        model_cls, extra = AutoModelForSequenceClassification, {"num_labels": num_labels}
+    else:
+        model_cls, extra = AutoModel, {}
+    if model_args.from_scratch:
+        config = AutoConfig.from_pretrained(model_args.model_name_or_path, **extra)
+        if model_args.config_overrides:
+            config.update_from_string(model_args.config_overrides)
+        model = model_cls.from_config(config)
+    else:
+        model = model_cls.from_pretrained(model_args.model_name_or_path, **extra)
+    if model_cls is not AutoModel:
+        return model
+    if getattr(model, "pooler", None) is not None:
+        # The [CLS] pooler is not used: remove it, so that no trainable parameter goes without a gradient.
+        model.pooler = None
+    return MeanPoolingClassifier(model, num_labels)
 
 
 def load_splits(data: DataArguments):
@@ -132,15 +195,12 @@ def main(argv=None):
         eval_raw = eval_raw.select(range(min(data_args.max_eval_samples, len(eval_raw))))
     num_labels = len(data_args.label_words.split(","))
 
-    model_cls = AutoModelForMaskedLM if model_args.head == "prompt" else AutoModelForSequenceClassification
-    extra = {} if model_args.head == "prompt" else {"num_labels": num_labels}
-    if model_args.from_scratch:
-        config = AutoConfig.from_pretrained(model_args.model_name_or_path, **extra)
-        if model_args.config_overrides:
-            config.update_from_string(model_args.config_overrides)
-        model = model_cls.from_config(config)
-    else:
-        model = model_cls.from_pretrained(model_args.model_name_or_path, **extra)
+    if model_args.pooling == "mean" and model_args.head != "classification":
+        raise ValueError("--pooling mean goes with --head classification.")
+    set_seed(args.seed)  # the new head's initialization (or the whole model, --from_scratch) follows --seed
+    model = build_model(model_args, num_labels)
+    if isinstance(model, MeanPoolingClassifier) and not disable_dp and args.loss_type == "auto":
+        args.loss_type = "sequence_classification"  # not an HF class, so DPTrainer cannot infer it
 
     columns = train_raw.column_names
     if model_args.head == "prompt":
@@ -189,12 +249,13 @@ def main(argv=None):
     trainer.save_model(args.output_dir)
     report = {
         "task": "text_classification",
-        "head": model_args.head,
+        "head": model_args.head if model_args.head == "prompt" else f"classification ({model_args.pooling} pooling)",
         "model": model_args.model_name_or_path,
         "train_examples": len(train_ds),
         "eval_examples": len(eval_ds),
         "wall_time_s": round(time.time() - start, 1),
         "learning_rate": args.learning_rate,
+        "lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
         "epochs": args.num_train_epochs,
         "privacy": privacy_report(trainer),
         "metrics": {"eval_accuracy": metrics.get("eval_accuracy"), "eval_loss": metrics.get("eval_loss")},

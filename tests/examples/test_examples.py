@@ -138,7 +138,7 @@ def _tiny_mlm(path: Path, sentences):
     BertForMaskedLM(cfg).save_pretrained(path)
 
 
-@pytest.mark.parametrize("head", ["prompt", "classification"])
+@pytest.mark.parametrize("head", [["prompt"], ["classification"], ["classification", "--pooling", "mean"]])
 def test_text_classification(tmp_path, head):
     sentences = [f"a {w} movie" for w in ["good", "bad", "fine", "dull", "fun", "long"] * 8]
     data = tmp_path / "train.tsv"
@@ -151,7 +151,7 @@ def test_text_classification(tmp_path, head):
             "--model_name_or_path",
             str(model_dir),
             "--head",
-            head,
+            *head,
             "--train_file",
             str(data),
             "--validation_file",
@@ -170,6 +170,32 @@ def test_text_classification(tmp_path, head):
     privacy = report["privacy"]
     assert privacy["private"] and privacy["epsilon"]["rdp"] <= 8.0 and privacy["steps"] == 2
     assert 0.0 <= report["metrics"]["eval_accuracy"] <= 1.0
+    assert report["head"] == (
+        "prompt" if head == ["prompt"] else f"classification ({head[-1] if len(head) > 1 else 'cls'} pooling)"
+    )
+
+
+def test_mean_pooling_ignores_padding_and_has_no_unused_parameter(tmp_path):
+    example = load("text_classification")
+    sentences = ["a good movie", "a very long and dull movie"]
+    _tiny_mlm(tmp_path, sentences)
+    args = example.ModelArguments(model_name_or_path=str(tmp_path), head="classification", pooling="mean")
+    model = example.build_model(args, num_labels=2).eval()
+    assert not [n for n, _ in model.named_parameters() if "pooler" in n]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    batch = tok(sentences, padding=True, return_tensors="pt")
+    alone = tok(sentences[:1], return_tensors="pt")
+    assert batch["attention_mask"][0].sum() < batch["attention_mask"].shape[1]  # the first one is padded
+    with torch.no_grad():
+        padded = model(**batch).logits[0]
+        unpadded = model(**alone).logits[0]
+        # Oracle: the mean of the encoder's hidden states over the real tokens only, then the linear layer.
+        hidden = model.encoder(**alone).last_hidden_state[0]
+        expected = model.classifier(hidden.mean(0))
+    torch.testing.assert_close(padded, unpadded, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(unpadded, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_examples_parse_help():

@@ -138,8 +138,15 @@ def _tiny_mlm(path: Path, sentences):
     BertForMaskedLM(cfg).save_pretrained(path)
 
 
-@pytest.mark.parametrize("head", [["prompt"], ["classification"], ["classification", "--pooling", "mean"]])
-def test_text_classification(tmp_path, head):
+@pytest.mark.parametrize(
+    "head, reported",
+    [
+        (["prompt"], "prompt"),
+        (["classification"], "classification (cls pooling)"),
+        (["classification", "--pooling", "mean"], "classification (mean pooling)"),
+    ],
+)
+def test_text_classification(tmp_path, head, reported):
     sentences = [f"a {w} movie" for w in ["good", "bad", "fine", "dull", "fun", "long"] * 8]
     data = tmp_path / "train.tsv"
     data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(sentences)))
@@ -170,9 +177,7 @@ def test_text_classification(tmp_path, head):
     privacy = report["privacy"]
     assert privacy["private"] and privacy["epsilon"]["rdp"] <= 8.0 and privacy["steps"] == 2
     assert 0.0 <= report["metrics"]["eval_accuracy"] <= 1.0
-    assert report["head"] == (
-        "prompt" if head == ["prompt"] else f"classification ({head[-1] if len(head) > 1 else 'cls'} pooling)"
-    )
+    assert report["head"] == reported
 
 
 def test_mean_pooling_ignores_padding_and_has_no_unused_parameter(tmp_path):

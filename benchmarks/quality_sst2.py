@@ -35,11 +35,21 @@ def main(argv=None):
     p.add_argument("--max_train_samples", type=int, default=None)
     p.add_argument("--head", default="classification")
     p.add_argument("--pooling", default="cls", choices=["cls", "mean"], help="classification head: cls or mean pooling")
+    p.add_argument(
+        "--freeze_word_embeddings", action="store_true", help="all runs: word embeddings fixed (not trained, no noise)"
+    )
+    p.add_argument(
+        "--no_test", action="store_true", help="do not score the labelled test file (test_labeled.tsv) after training"
+    )
     p.add_argument("--logical_batch", type=int, default=512, help="expected DP batch L")
     p.add_argument("--micro_batch", type=int, default=32, help="DP micro-batch (grouped by length)")
     p.add_argument("--dp_learning_rate", default="1e-3")
     p.add_argument("--dp_lr_scheduler", default="constant", help="learning-rate schedule of the DP runs (e.g. linear)")
     p.add_argument("--accountant", default="rdp", help="accountant that calibrates sigma to the target epsilon")
+    p.add_argument(
+        "--clip_only", action="store_true", help="add a run with per-example clipping but no noise (sigma = 0)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="--seed of all runs (head init, batches; DP noise is fresh)")
     p.add_argument("--only", nargs="+", default=None, help="run only these (e.g. non-private dp-eps3)")
     p.add_argument("--collect", action="store_true", help="print the lines of finished runs without running")
     args = p.parse_args(argv)
@@ -68,7 +78,7 @@ def main(argv=None):
         "--logging_steps",
         "20",
         "--seed",
-        "0",
+        str(args.seed),
         "--use_cpu",
         "true",
         "--dataloader_pin_memory",
@@ -78,25 +88,28 @@ def main(argv=None):
     ]
     if args.max_train_samples:
         common += ["--max_train_samples", str(args.max_train_samples)]
-    runs = {
-        f"dp-eps{eps:g}": [
-            "--target_epsilon",
-            str(eps),
-            "--accountant",
-            args.accountant,
-            "--per_sample_max_grad_norm",
-            "0.1",
-            "--per_device_train_batch_size",
-            str(args.micro_batch),
-            "--gradient_accumulation_steps",
-            str(args.logical_batch // args.micro_batch),
-            "--learning_rate",
-            args.dp_learning_rate,
-            "--lr_scheduler_type",
-            args.dp_lr_scheduler,
-        ]
-        for eps in args.epsilons
-    }
+    if args.freeze_word_embeddings:
+        common += ["--freeze_word_embeddings", "true"]
+    test_file = Path(args.data) / "test_labeled.tsv"
+    if test_file.exists() and not args.no_test:
+        common += ["--test_file", str(test_file)]
+    dp = [
+        "--accountant",
+        args.accountant,
+        "--per_sample_max_grad_norm",
+        "0.1",
+        "--per_device_train_batch_size",
+        str(args.micro_batch),
+        "--gradient_accumulation_steps",
+        str(args.logical_batch // args.micro_batch),
+        "--learning_rate",
+        args.dp_learning_rate,
+        "--lr_scheduler_type",
+        args.dp_lr_scheduler,
+    ]
+    runs = {f"dp-eps{eps:g}": ["--target_epsilon", str(eps), *dp] for eps in args.epsilons}
+    if args.clip_only:  # the DP runs' clipping and batches without the noise: splits the gap into its two causes
+        runs["clip-only"] = ["--noise_multiplier", "0", *dp]
     runs["non-private"] = [
         "--disable_dp",
         "--per_device_train_batch_size",
@@ -108,7 +121,8 @@ def main(argv=None):
     ]
     print(
         f"# machine: {platform.machine()} {os.cpu_count()} cpus; model all-MiniLM-L6-v2 (22.7M), SST-2, "
-        f"{args.epochs:g} epoch(s), head {args.head} ({args.pooling} pooling)",
+        f"{args.epochs:g} epoch(s), head {args.head} ({args.pooling} pooling)"
+        f"{', word embeddings frozen' if args.freeze_word_embeddings else ''}",
         flush=True,
     )
     rows = []
@@ -128,9 +142,11 @@ def main(argv=None):
             r = json.load(f)
         privacy = r["privacy"]
         eps = privacy.get("epsilon", {})
+        test = r["metrics"].get("test_accuracy")
         line = (
-            f"{name}\taccuracy {r['metrics']['eval_accuracy']:.4f}\twall {r['wall_time_s']:.0f}s\t"
-            f"N={r['train_examples']}\tlr={r['learning_rate']}"
+            f"{name}\taccuracy {r['metrics']['eval_accuracy']:.4f}\ttest {'-' if test is None else f'{test:.4f}'}"
+            f"\twall {r['wall_time_s']:.0f}s\tN={r['train_examples']}\tlr={r['learning_rate']}"
+            f"\tfrozen={r.get('frozen_word_embedding_parameters', 0)}"
         )
         if privacy.get("private"):
             line += (

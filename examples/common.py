@@ -115,3 +115,16 @@ def write_report(output_dir: str, report: dict) -> None:
         lines.append("non-private (--disable_dp)")
     lines += [f"{k}: {v}" for k, v in report.get("metrics", {}).items()]
     print("\n".join(lines), flush=True)
+
+
+def end_distributed() -> None:
+    """Tear down the process group that ``torchrun`` / ``accelerate launch`` started, after training.
+
+    With the gloo backend a group still alive at interpreter exit can abort the process (SIGABRT, "terminate called
+    without an active exception") after everything was saved; PyTorch asks scripts to destroy it themselves.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -29,7 +29,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import COMMON_DEFAULTS, PrintEpsilon, make_trainer, parse_args, privacy_report, write_report  # noqa: E402
+from common import (  # noqa: E402
+    COMMON_DEFAULTS,
+    PrintEpsilon,
+    end_distributed,
+    make_trainer,
+    parse_args,
+    privacy_report,
+    write_report,
+)
 
 SEPARATOR = " ||"
 
@@ -272,4 +280,5 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    end_distributed()
     sys.exit(0)

@@ -180,6 +180,36 @@ def test_text_classification(tmp_path, head, reported):
     assert report["head"] == reported
 
 
+@pytest.mark.parametrize("head", [["prompt"], ["classification", "--pooling", "mean"]])
+def test_frozen_word_embeddings_stay_fixed_and_test_file_is_scored(tmp_path, head):
+    from safetensors.torch import load_file
+
+    sentences = [f"a {w} movie" for w in ["good", "bad", "fine", "dull"] * 8]
+    data = tmp_path / "train.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(sentences)))
+    test = tmp_path / "test.tsv"
+    test.write_text("sentence\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(sentences[:6])))
+    model_dir = tmp_path / "mlm"
+    _tiny_mlm(model_dir, sentences)
+    before = load_file(model_dir / "model.safetensors")
+    out = tmp_path / "out"
+    args = ["--model_name_or_path", str(model_dir), "--head", *head, "--train_file", str(data)]
+    args += ["--validation_file", str(data), "--test_file", str(test), "--output_dir", str(out)]
+    args += ["--freeze_word_embeddings", "true", "--target_epsilon", "8", "--eval_strategy", "no", *TINY]
+    report = load("text_classification").main(args)
+
+    after = load_file(out / "model.safetensors")
+
+    def saved(key: str) -> torch.Tensor:  # the mean-pooling classifier stores the bare encoder as ``encoder.*``
+        return after["encoder." + key.removeprefix("bert.")] if "mean" in head else after[key]
+
+    words, positions = "bert.embeddings.word_embeddings.weight", "bert.embeddings.position_embeddings.weight"
+    assert torch.equal(saved(words), before[words])
+    assert not torch.equal(saved(positions), before[positions])  # the rest of the model did train
+    assert report["frozen_word_embedding_parameters"] == before[words].numel()
+    assert report["metrics"]["test_accuracy"] * 6 == pytest.approx(round(report["metrics"]["test_accuracy"] * 6))
+
+
 def test_mean_pooling_ignores_padding_and_has_no_unused_parameter(tmp_path):
     example = load("text_classification")
     sentences = ["a good movie", "a very long and dull movie"]

@@ -151,7 +151,8 @@ def main(argv=None):
         if privacy.get("private"):
             line += (
                 f"\teps(rdp)={float(eps['rdp']):.3f}\teps(prv)={float(eps['prv']):.3f}\tdelta={float(privacy['delta']):.2g}"
-                f"\tcalibrated by {privacy.get('accountant', '?')}\tsigma={float(privacy['noise_multiplier']):.3f}"
+                f"\t{'calibrated by ' + privacy.get('accountant', '?') if name.startswith('dp-eps') else 'sigma given'}"
+                f"\tsigma={float(privacy['noise_multiplier']):.3f}"
                 f"\tsteps={privacy['steps']}\tL={privacy['expected_batch_size']}\tschedule={r.get('lr_scheduler', '?')}"
             )
         print(line, flush=True)

@@ -288,6 +288,7 @@ def main(argv=None):
         "model": model_args.model_name_or_path,
         "train_examples": len(train_ds),
         "eval_examples": len(eval_ds),
+        **({} if test_ds is None else {"test_examples": len(test_ds)}),
         "wall_time_s": round(time.time() - start, 1),
         "learning_rate": args.learning_rate,
         "lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),

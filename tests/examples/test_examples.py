@@ -207,7 +207,7 @@ def test_frozen_word_embeddings_stay_fixed_and_test_file_is_scored(tmp_path, hea
     assert torch.equal(saved(words), before[words])
     assert not torch.equal(saved(positions), before[positions])  # the rest of the model did train
     assert report["frozen_word_embedding_parameters"] == before[words].numel()
-    assert report["metrics"]["test_accuracy"] * 6 == pytest.approx(round(report["metrics"]["test_accuracy"] * 6))
+    assert report["test_examples"] == 6 and 0.0 <= report["metrics"]["test_accuracy"] <= 1.0
 
 
 def test_mean_pooling_ignores_padding_and_has_no_unused_parameter(tmp_path):

@@ -41,6 +41,10 @@ def main(argv=None):
     p.add_argument(
         "--no_test", action="store_true", help="do not score the labelled test file (test_labeled.tsv) after training"
     )
+    p.add_argument(
+        "--lora_r", type=int, default=0, help="DP runs: LoRA rank (0: full fine-tuning); non-private stays full"
+    )
+    p.add_argument("--lora_target_modules", default=None, help="DP runs with --lora_r: e.g. query,value (peft default)")
     p.add_argument("--logical_batch", type=int, default=512, help="expected DP batch L")
     p.add_argument("--micro_batch", type=int, default=32, help="DP micro-batch (grouped by length)")
     p.add_argument("--dp_learning_rate", default="1e-3")
@@ -107,6 +111,9 @@ def main(argv=None):
         "--lr_scheduler_type",
         args.dp_lr_scheduler,
     ]
+    if args.lora_r:
+        dp += ["--lora_r", str(args.lora_r), "--lora_alpha", str(args.lora_r)]  # scale alpha / r = 1
+        dp += ["--lora_target_modules", args.lora_target_modules] if args.lora_target_modules else []
     runs = {f"dp-eps{eps:g}": ["--target_epsilon", str(eps), *dp] for eps in args.epsilons}
     if args.clip_only:  # the DP runs' clipping and batches without the noise: splits the gap into its two causes
         runs["clip-only"] = ["--noise_multiplier", "0", *dp]
@@ -122,7 +129,8 @@ def main(argv=None):
     print(
         f"# machine: {platform.machine()} {os.cpu_count()} cpus; model all-MiniLM-L6-v2 (22.7M), SST-2, "
         f"{args.epochs:g} epoch(s), head {args.head} ({args.pooling} pooling)"
-        f"{', word embeddings frozen' if args.freeze_word_embeddings else ''}",
+        f"{', word embeddings frozen' if args.freeze_word_embeddings else ''}"
+        f"{f', DP runs LoRA r={args.lora_r}' if args.lora_r else ''}",
         flush=True,
     )
     rows = []
@@ -146,7 +154,8 @@ def main(argv=None):
         line = (
             f"{name}\taccuracy {r['metrics']['eval_accuracy']:.4f}\ttest {'-' if test is None else f'{test:.4f}'}"
             f"\twall {r['wall_time_s']:.0f}s\tN={r['train_examples']}\tlr={r['learning_rate']}"
-            f"\tfrozen={r.get('frozen_word_embedding_parameters', 0)}"
+            f"\tfrozen={r.get('frozen_word_embedding_parameters', 0)}\tlora_r={r.get('lora_r', 0)}"
+            f"\ttrainable={r.get('trainable_parameters', '?')}"
         )
         if privacy.get("private"):
             line += (

@@ -62,6 +62,31 @@ def _drop_flags(argv: list[str], names: set[str]) -> list[str]:
     return out
 
 
+def add_lora(model, r: int, alpha: int, target_modules: str | None, task_type: str | None = None):
+    """Wrap ``model`` with PEFT LoRA adapters of rank ``r`` (dropout 0): only the adapters (and the task head that
+    peft keeps trainable for ``task_type``, e.g. the classifier for ``SEQ_CLS``) train; the base weights are frozen.
+
+    ``target_modules`` is a comma list, or None for peft's default modules for this model type.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    targets = target_modules.split(",") if target_modules else None
+    is_gpt2 = getattr(model.config, "model_type", "") == "gpt2"  # GPT-2's Conv1D stores weights fan-in first
+    config = LoraConfig(
+        task_type=task_type,
+        r=r,
+        lora_alpha=alpha,
+        target_modules=targets,
+        fan_in_fan_out=is_gpt2,
+        lora_dropout=0.0,
+    )
+    return get_peft_model(model, config)
+
+
+def trainable_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def make_trainer(disable_dp: bool, **kwargs) -> Trainer:
     if disable_dp:
         kwargs.pop("compute_loss_func_dp", None)

@@ -32,10 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     COMMON_DEFAULTS,
     PrintEpsilon,
+    add_lora,
     end_distributed,
     make_trainer,
     parse_args,
     privacy_report,
+    trainable_parameters,
     write_report,
 )
 
@@ -158,20 +160,8 @@ def build_model(model_args: ModelArguments, tokenizer):
     if model_args.lora_r and model_args.prefix_tokens:
         raise ValueError("Choose one of `--lora_r` and `--prefix_tokens`.")
     if model_args.lora_r:
-        from peft import LoraConfig, get_peft_model
-
-        targets = model_args.lora_target_modules.split(",") if model_args.lora_target_modules else None
-        is_gpt2 = getattr(model.config, "model_type", "") == "gpt2"
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                task_type="CAUSAL_LM",
-                r=model_args.lora_r,
-                lora_alpha=model_args.lora_alpha,
-                target_modules=targets,
-                fan_in_fan_out=is_gpt2,
-                lora_dropout=0.0,
-            ),
+        model = add_lora(
+            model, model_args.lora_r, model_args.lora_alpha, model_args.lora_target_modules, task_type="CAUSAL_LM"
         )
     elif model_args.prefix_tokens:
         from peft import PrefixTuningConfig, get_peft_model
@@ -256,6 +246,7 @@ def main(argv=None):
         "from_scratch": model_args.from_scratch,
         "lora_r": model_args.lora_r,
         "prefix_tokens": model_args.prefix_tokens,
+        "trainable_parameters": trainable_parameters(model),
         "train_examples": len(dataset),
         "learning_rate": args.learning_rate,
         "epochs": args.num_train_epochs,

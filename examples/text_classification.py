@@ -47,10 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     COMMON_DEFAULTS,
     PrintEpsilon,
+    add_lora,
     end_distributed,
     make_trainer,
     parse_args,
     privacy_report,
+    trainable_parameters,
     write_report,
 )
 
@@ -84,6 +86,17 @@ class ModelArguments:
             "help": "Keep the input word embeddings (and an output layer tied to them) fixed: not trained, no noise "
             "on them. Under DP this takes the largest matrix out of the noise (half of a small BERT's parameters)."
         },
+    )
+    lora_r: int = field(
+        default=0,
+        metadata={
+            "help": "LoRA rank (0: full fine-tuning). Only the adapters and the classifier train (the prompt head: "
+            "the adapters only); under DP the noise then covers far fewer coordinates."
+        },
+    )
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
+    lora_target_modules: str | None = field(
+        default=None, metadata={"help": "Comma list, e.g. 'query,value'; default: peft's per model type."}
     )
 
 
@@ -145,11 +158,18 @@ def build_model(model_args: ModelArguments, num_labels: int) -> nn.Module:
     else:
         model = model_cls.from_pretrained(model_args.model_name_or_path, **extra)
     if model_cls is not AutoModel:
-        return model
+        return with_lora(model, model_args, "SEQ_CLS" if model_cls is AutoModelForSequenceClassification else None)
     if getattr(model, "pooler", None) is not None:
         # The [CLS] pooler is not used: remove it, so that no trainable parameter goes without a gradient.
         model.pooler = None
-    return MeanPoolingClassifier(model, num_labels)
+    return MeanPoolingClassifier(with_lora(model, model_args, None), num_labels)
+
+
+def with_lora(model: PreTrainedModel, model_args: ModelArguments, task_type: str | None) -> nn.Module:
+    """LoRA adapters on ``model`` when ``--lora_r`` is set (``SEQ_CLS``: peft keeps the classifier trainable)."""
+    if not model_args.lora_r:
+        return model
+    return add_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_target_modules, task_type)
 
 
 def freeze_word_embeddings(model: nn.Module) -> int:
@@ -228,6 +248,8 @@ def main(argv=None):
 
     if model_args.pooling == "mean" and model_args.head != "classification":
         raise ValueError("--pooling mean goes with --head classification.")
+    if model_args.lora_r and model_args.freeze_word_embeddings:
+        raise ValueError("--freeze_word_embeddings is implied by --lora_r (LoRA trains no base weight); drop it.")
     set_seed(args.seed)  # the new head's initialization (or the whole model, --from_scratch) follows --seed
     model = build_model(model_args, num_labels)
     frozen = freeze_word_embeddings(model) if model_args.freeze_word_embeddings else 0
@@ -294,6 +316,8 @@ def main(argv=None):
         "lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
         "epochs": args.num_train_epochs,
         "frozen_word_embedding_parameters": frozen,
+        "lora_r": model_args.lora_r,
+        "trainable_parameters": trainable_parameters(model),
         "privacy": privacy_report(trainer),
         "metrics": {k: metrics[k] for k in REPORTED_METRICS if k in metrics},
     }

@@ -210,6 +210,50 @@ def test_frozen_word_embeddings_stay_fixed_and_test_file_is_scored(tmp_path, hea
     assert report["test_examples"] == 6 and 0.0 <= report["metrics"]["test_accuracy"] <= 1.0
 
 
+@pytest.mark.parametrize(
+    "head, saved_file",
+    [
+        (["prompt"], "adapter_model.safetensors"),
+        (["classification"], "adapter_model.safetensors"),
+        (["classification", "--pooling", "mean"], "model.safetensors"),
+    ],
+)
+def test_text_classification_lora_trains_adapters_and_head_only(tmp_path, head, saved_file):
+    from safetensors.torch import load_file
+
+    sentences = [f"a {w} movie" for w in ["good", "bad", "fine", "dull"] * 8]
+    data = tmp_path / "train.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(sentences)))
+    model_dir = tmp_path / "mlm"
+    _tiny_mlm(model_dir, sentences)
+    before = load_file(model_dir / "model.safetensors")
+    out = tmp_path / "out"
+    args = ["--model_name_or_path", str(model_dir), "--head", *head, "--train_file", str(data)]
+    args += ["--validation_file", str(data), "--output_dir", str(out), "--lora_r", "2", "--lora_alpha", "4"]
+    args += ["--lora_target_modules", "query,value", "--target_epsilon", "8", "--eval_strategy", "no", *TINY]
+    report = load("text_classification").main(args)
+
+    # Oracle for the count: one layer, hidden 16, query and value each get A (2 x 16) and B (16 x 2); the
+    # classification heads add their 16 -> 2 linear layer.
+    adapters = 2 * (2 * 16 + 16 * 2)
+    classifier = 0 if head == ["prompt"] else 16 * 2 + 2
+    assert report["lora_r"] == 2 and report["trainable_parameters"] == adapters + classifier
+    assert report["privacy"]["steps"] == 2
+
+    saved = load_file(out / saved_file)
+    lora_b = {k: v for k, v in saved.items() if "lora_B" in k}
+    assert len(lora_b) == 2 and all(v.abs().sum() > 0 for v in lora_b.values())  # B starts at zero: it trained
+    if "mean" in head:  # the whole model is saved: every base weight is still the pretrained one, bit for bit
+        base = {k: v for k, v in saved.items() if ".base_model.model." in k and "lora_" not in k}
+        assert base, "no base weight saved"
+        for key, value in base.items():
+            name = "bert." + key.split(".base_model.model.", 1)[1].replace(".base_layer.", ".")
+            assert torch.equal(value, before[name]), key
+    if classifier:
+        weights = [k for k in saved if "classifier" in k and k.endswith("weight")]
+        assert weights, "the classifier was not saved"
+
+
 def test_mean_pooling_ignores_padding_and_has_no_unused_parameter(tmp_path):
     example = load("text_classification")
     sentences = ["a good movie", "a very long and dull movie"]

@@ -39,6 +39,12 @@ def main(argv=None):
         "--freeze_word_embeddings", action="store_true", help="all runs: word embeddings fixed (not trained, no noise)"
     )
     p.add_argument(
+        "--classifier_init",
+        default="random",
+        choices=["random", "label_words"],
+        help="all runs, mean pooling: random head, or zero-shot start from the label words' embeddings",
+    )
+    p.add_argument(
         "--no_test", action="store_true", help="do not score the labelled test file (test_labeled.tsv) after training"
     )
     p.add_argument(
@@ -94,6 +100,8 @@ def main(argv=None):
         common += ["--max_train_samples", str(args.max_train_samples)]
     if args.freeze_word_embeddings:
         common += ["--freeze_word_embeddings", "true"]
+    if args.classifier_init != "random":
+        common += ["--classifier_init", args.classifier_init]
     test_file = Path(args.data) / "test_labeled.tsv"
     if test_file.exists() and not args.no_test:
         common += ["--test_file", str(test_file)]
@@ -130,7 +138,8 @@ def main(argv=None):
         f"# machine: {platform.machine()} {os.cpu_count()} cpus; model all-MiniLM-L6-v2 (22.7M), SST-2, "
         f"{args.epochs:g} epoch(s), head {args.head} ({args.pooling} pooling)"
         f"{', word embeddings frozen' if args.freeze_word_embeddings else ''}"
-        f"{f', DP runs LoRA r={args.lora_r}' if args.lora_r else ''}",
+        f"{f', DP runs LoRA r={args.lora_r}' if args.lora_r else ''}"
+        f"{f', classifier init {args.classifier_init}' if args.classifier_init != 'random' else ''}",
         flush=True,
     )
     rows = []
@@ -155,7 +164,7 @@ def main(argv=None):
             f"{name}\taccuracy {r['metrics']['eval_accuracy']:.4f}\ttest {'-' if test is None else f'{test:.4f}'}"
             f"\twall {r['wall_time_s']:.0f}s\tN={r['train_examples']}\tlr={r['learning_rate']}"
             f"\tfrozen={r.get('frozen_word_embedding_parameters', 0)}\tlora_r={r.get('lora_r', 0)}"
-            f"\ttrainable={r.get('trainable_parameters', '?')}"
+            f"\ttrainable={r.get('trainable_parameters', '?')}\thead_init={r.get('classifier_init') or '-'}"
         )
         if privacy.get("private"):
             line += (

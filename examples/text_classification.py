@@ -74,6 +74,15 @@ class ModelArguments:
             "choices": ["cls", "mean"],
         },
     )
+    classifier_init: str = field(
+        default="random",
+        metadata={
+            "help": "With --pooling mean: random, or label_words (zero-shot start: row k of the classifier is the "
+            "unit-norm pooled embedding of the template filled with label word k, e.g. 'It was great .'; bias 0). "
+            "Uses only the label words, no training data, so it costs no privacy.",
+            "choices": ["random", "label_words"],
+        },
+    )
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer, if not the model's."})
     config_overrides: str | None = field(
         default=None,
@@ -132,12 +141,15 @@ class MeanPoolingClassifier(nn.Module):
         self.dropout = nn.Dropout(getattr(encoder.config, "hidden_dropout_prob", 0.1))
         self.classifier = nn.Linear(encoder.config.hidden_size, num_labels)
 
-    def forward(self, input_ids, attention_mask, token_type_ids=None, labels=None) -> SequenceClassifierOutput:
+    def pool(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
+        """The attention-masked mean of the encoder's last hidden states, ``[B, hidden]``."""
         extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
-        logits = self.classifier(self.dropout(pooled))
+        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None, labels=None) -> SequenceClassifierOutput:
+        logits = self.classifier(self.dropout(self.pool(input_ids, attention_mask, token_type_ids)))
         loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
@@ -170,6 +182,21 @@ def with_lora(model: PreTrainedModel, model_args: ModelArguments, task_type: str
     if not model_args.lora_r:
         return model
     return add_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_target_modules, task_type)
+
+
+@torch.no_grad()
+def init_classifier_from_label_words(model: MeanPoolingClassifier, tokenizer, template: str, words: list[str]) -> None:
+    """Zero-shot start for the mean-pooling head: row k of the classifier is the unit-norm pooled embedding of the
+    template with its mask filled by label word k and its sentence slot left out; the bias is 0. The logits then
+    start as (pooled norm) x cosine similarity to each label's phrase: the similarity the encoder was trained for."""
+    phrases = [template.replace("<S>", "").replace("[MASK]", word).strip() for word in words]
+    batch = tokenizer(phrases, padding=True, return_tensors="pt")
+    was_training = model.training
+    model.eval()
+    prototypes = model.pool(**{k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in batch})
+    model.train(was_training)
+    model.classifier.weight.copy_(prototypes / prototypes.norm(dim=-1, keepdim=True))
+    model.classifier.bias.zero_()
 
 
 def freeze_word_embeddings(model: nn.Module) -> int:
@@ -252,6 +279,10 @@ def main(argv=None):
         raise ValueError("--freeze_word_embeddings is implied by --lora_r (LoRA trains no base weight); drop it.")
     set_seed(args.seed)  # the new head's initialization (or the whole model, --from_scratch) follows --seed
     model = build_model(model_args, num_labels)
+    if model_args.classifier_init == "label_words":
+        if not isinstance(model, MeanPoolingClassifier):
+            raise ValueError("--classifier_init label_words goes with --head classification --pooling mean.")
+        init_classifier_from_label_words(model, tokenizer, data_args.template, data_args.label_words.split(","))
     frozen = freeze_word_embeddings(model) if model_args.freeze_word_embeddings else 0
     if isinstance(model, MeanPoolingClassifier) and not disable_dp and args.loss_type == "auto":
         args.loss_type = "sequence_classification"  # not an HF class, so DPTrainer cannot infer it
@@ -316,6 +347,7 @@ def main(argv=None):
         "lr_scheduler": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
         "epochs": args.num_train_epochs,
         "frozen_word_embedding_parameters": frozen,
+        "classifier_init": model_args.classifier_init if isinstance(model, MeanPoolingClassifier) else None,
         "lora_r": model_args.lora_r,
         "trainable_parameters": trainable_parameters(model),
         "privacy": privacy_report(trainer),

@@ -254,6 +254,35 @@ def test_text_classification_lora_trains_adapters_and_head_only(tmp_path, head, 
         assert weights, "the classifier was not saved"
 
 
+def test_label_word_init_puts_each_label_phrase_embedding_in_the_classifier(tmp_path):
+    from transformers import AutoTokenizer
+
+    example = load("text_classification")
+    sentences = ["a good movie", "a very long and dull movie"]
+    _tiny_mlm(tmp_path, sentences)
+    args = example.ModelArguments(model_name_or_path=str(tmp_path), head="classification", pooling="mean")
+    model = example.build_model(args, num_labels=2).train()
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    example.init_classifier_from_label_words(model, tok, "<S> It was [MASK] .", ["terrible", "great"])
+    assert model.training  # the mode is restored
+    # Oracle: each phrase encoded alone (no padding), dropout off, mean over its tokens, unit norm.
+    model.eval()
+    with torch.no_grad():
+        for row, phrase in enumerate(["It was terrible .", "It was great ."]):
+            hidden = model.encoder(**tok(phrase, return_tensors="pt")).last_hidden_state[0].mean(0)
+            torch.testing.assert_close(model.classifier.weight[row], hidden / hidden.norm(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(model.classifier.bias, torch.zeros(2))
+
+    data = tmp_path / "train.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(sentences * 8)))
+    cli = ["--model_name_or_path", str(tmp_path), "--train_file", str(data), "--validation_file", str(data)]
+    cli += ["--output_dir", str(tmp_path / "out"), "--classifier_init", "label_words", "--noise_multiplier", "1"]
+    with pytest.raises(ValueError, match="--pooling mean"):  # the prompt head has no classifier to initialize
+        example.main([*cli, "--head", "prompt", *TINY])
+    report = example.main([*cli, "--head", "classification", "--pooling", "mean", "--eval_strategy", "no", *TINY])
+    assert report["classifier_init"] == "label_words" and report["privacy"]["steps"] == 2
+
+
 def test_mean_pooling_ignores_padding_and_has_no_unused_parameter(tmp_path):
     example = load("text_classification")
     sentences = ["a good movie", "a very long and dull movie"]

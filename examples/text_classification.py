@@ -275,13 +275,13 @@ def main(argv=None):
 
     if model_args.pooling == "mean" and model_args.head != "classification":
         raise ValueError("--pooling mean goes with --head classification.")
+    if model_args.classifier_init != "random" and model_args.pooling != "mean":
+        raise ValueError("--classifier_init label_words goes with --head classification --pooling mean.")
     if model_args.lora_r and model_args.freeze_word_embeddings:
         raise ValueError("--freeze_word_embeddings is implied by --lora_r (LoRA trains no base weight); drop it.")
     set_seed(args.seed)  # the new head's initialization (or the whole model, --from_scratch) follows --seed
     model = build_model(model_args, num_labels)
     if model_args.classifier_init == "label_words":
-        if not isinstance(model, MeanPoolingClassifier):
-            raise ValueError("--classifier_init label_words goes with --head classification --pooling mean.")
         init_classifier_from_label_words(model, tokenizer, data_args.template, data_args.label_words.split(","))
     frozen = freeze_word_embeddings(model) if model_args.freeze_word_embeddings else 0
     if isinstance(model, MeanPoolingClassifier) and not disable_dp and args.loss_type == "auto":

@@ -252,6 +252,8 @@ def test_text_classification_lora_trains_adapters_and_head_only(tmp_path, head, 
     if classifier:
         weights = [k for k in saved if "classifier" in k and k.endswith("weight")]
         assert weights, "the classifier was not saved"
+    with pytest.raises(ValueError, match="implied by --lora_r"):  # LoRA already freezes every base weight
+        load("text_classification").main([*args, "--freeze_word_embeddings", "true"])
 
 
 def test_label_word_init_puts_each_label_phrase_embedding_in_the_classifier(tmp_path):

@@ -7,6 +7,7 @@ import math
 import os
 import sys
 
+from torch import nn
 from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 
 from hf_dp import DPTrainer, DPTrainingArguments
@@ -83,7 +84,8 @@ def add_lora(model, r: int, alpha: int, target_modules: str | None, task_type: s
     return get_peft_model(model, config)
 
 
-def trainable_parameters(model) -> int:
+def trainable_parameters(model: nn.Module) -> int:
+    """How many parameter entries the optimizer (and, under DP, the noise) covers."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 

@@ -193,7 +193,7 @@ def init_classifier_from_label_words(model: MeanPoolingClassifier, tokenizer, te
     batch = tokenizer(phrases, padding=True, return_tensors="pt")
     was_training = model.training
     model.eval()
-    prototypes = model.pool(**{k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in batch})
+    prototypes = model.pool(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
     model.train(was_training)
     model.classifier.weight.copy_(prototypes / prototypes.norm(dim=-1, keepdim=True))
     model.classifier.bias.zero_()

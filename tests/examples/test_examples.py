@@ -102,6 +102,12 @@ def test_table_to_text_dart_and_non_private_baseline(tmp_path):
     assert report["privacy"] == {"private": False}
 
 
+def _labelled_tsv(path: Path, sentences) -> Path:
+    """A GLUE-style TSV (sentence, label) with labels alternating 0, 1."""
+    path.write_text("sentence\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(sentences)))
+    return path
+
+
 def _tiny_mlm(path: Path, sentences):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import BertConfig, BertForMaskedLM, PreTrainedTokenizerFast
@@ -148,8 +154,7 @@ def _tiny_mlm(path: Path, sentences):
 )
 def test_text_classification(tmp_path, head, reported):
     sentences = [f"a {w} movie" for w in ["good", "bad", "fine", "dull", "fun", "long"] * 8]
-    data = tmp_path / "train.tsv"
-    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(sentences)))
+    data = _labelled_tsv(tmp_path / "train.tsv", sentences)
     model_dir = tmp_path / "mlm"
     _tiny_mlm(model_dir, sentences)
     example = load("text_classification")
@@ -185,10 +190,8 @@ def test_frozen_word_embeddings_stay_fixed_and_test_file_is_scored(tmp_path, hea
     from safetensors.torch import load_file
 
     sentences = [f"a {w} movie" for w in ["good", "bad", "fine", "dull"] * 8]
-    data = tmp_path / "train.tsv"
-    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(sentences)))
-    test = tmp_path / "test.tsv"
-    test.write_text("sentence\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(sentences[:6])))
+    data = _labelled_tsv(tmp_path / "train.tsv", sentences)
+    test = _labelled_tsv(tmp_path / "test.tsv", sentences[:6])
     model_dir = tmp_path / "mlm"
     _tiny_mlm(model_dir, sentences)
     before = load_file(model_dir / "model.safetensors")
@@ -222,8 +225,7 @@ def test_text_classification_lora_trains_adapters_and_head_only(tmp_path, head, 
     from safetensors.torch import load_file
 
     sentences = [f"a {w} movie" for w in ["good", "bad", "fine", "dull"] * 8]
-    data = tmp_path / "train.tsv"
-    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(sentences)))
+    data = _labelled_tsv(tmp_path / "train.tsv", sentences)
     model_dir = tmp_path / "mlm"
     _tiny_mlm(model_dir, sentences)
     before = load_file(model_dir / "model.safetensors")
@@ -275,8 +277,7 @@ def test_label_word_init_puts_each_label_phrase_embedding_in_the_classifier(tmp_
             torch.testing.assert_close(model.classifier.weight[row], hidden / hidden.norm(), rtol=1e-5, atol=1e-6)
     assert torch.equal(model.classifier.bias, torch.zeros(2))
 
-    data = tmp_path / "train.tsv"
-    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(sentences * 8)))
+    data = _labelled_tsv(tmp_path / "train.tsv", sentences * 8)
     cli = ["--model_name_or_path", str(tmp_path), "--train_file", str(data), "--validation_file", str(data)]
     cli += ["--output_dir", str(tmp_path / "out"), "--classifier_init", "label_words", "--noise_multiplier", "1"]
     with pytest.raises(ValueError, match="--pooling mean"):  # the prompt head has no classifier to initialize

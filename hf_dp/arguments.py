@@ -1,4 +1,8 @@
-"""``DPTrainingArguments``: ``TrainingArguments`` plus the differential-privacy settings."""
+"""``DPTrainingArguments`` / ``DPSeq2SeqTrainingArguments``: the Trainer's arguments plus the DP settings.
+
+The DP fields and their checks live once, in :class:`DPArgumentsMixin`; each arguments class is that mixin on top of
+the matching transformers class, so a seq2seq script changes the same names as any other script.
+"""
 
 from __future__ import annotations
 
@@ -6,68 +10,96 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from transformers import TrainingArguments
+from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
 from .accounting import ACCOUNTANTS
+
+try:  # TEMP(lead): until the accounting change lands
+    from .accounting import PROVEN_ACCOUNTANTS, check_proven_accountant
+except ImportError:
+    PROVEN_ACCOUNTANTS = ("prv", "rdp")
+
+    def check_proven_accountant(name):
+        if name not in PROVEN_ACCOUNTANTS:
+            raise ValueError(f"`accountant`={name!r} must be one of {PROVEN_ACCOUNTANTS}.")
 from .engine import CLIPPING_MODES
+from .losses import LOSS_TYPES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DPTrainingArguments"]
+__all__ = ["DPArgumentsMixin", "DPSeq2SeqTrainingArguments", "DPTrainingArguments"]
 
 TRAINER_CLIPPING_MODES = sorted(m for m in CLIPPING_MODES if m != "ghost")
-LOSS_TYPES = ["auto", "causal_lm", "masked_lm", "seq2seq_lm", "sequence_classification", "token_classification"]
 
+_DP_PARAMETERS_DOC = r"""
+    > Parameters that control the privacy guarantee
 
-@dataclass
-class DPTrainingArguments(TrainingArguments):
-    r"""
-    Configuration for [`DPTrainer`]: every [`~transformers.TrainingArguments`] field, plus the ones below.
+    target_epsilon (`float`, *optional*, defaults to `None`):
+        Privacy budget. The noise multiplier is calibrated when training starts (taking into account the privacy
+        already spent when resuming) so that the planned number of steps ends at epsilon <= `target_epsilon` under
+        `accountant`; training stops if it would go past it. Give exactly one of `target_epsilon` and
+        `noise_multiplier`.
+    noise_multiplier (`float`, *optional*, defaults to `None`):
+        Noise standard deviation divided by `per_sample_max_grad_norm`. Give exactly one of the two.
+    target_delta (`float`, *optional*, defaults to `None`):
+        delta of the (epsilon, delta) guarantee. `None` means `1 / (2 N)` with `N` the training set size; it must stay
+        below `1 / N`.
+    per_sample_max_grad_norm (`float`, *optional*, defaults to `0.1`):
+        Clipping norm `C` of each example's gradient (Li et al. 2022 recommend a small C such as 0.1).
+    accountant (`str`, *optional*, defaults to `"rdp"`):
+        Accountant for calibration, the budget stop, the `epsilon` log key and the model card's headline: `"rdp"` or
+        `"prv"` (PRV upper bound). Both are proven upper bounds; GDP (a CLT estimate that can under-estimate) is not
+        accepted here and can only be logged through `epsilon_accountants`.
+    epsilon_accountants (`list[str]`, *optional*, defaults to `["rdp", "prv"]`):
+        Accountants whose epsilon is logged as `epsilon_<name>` at each logging step; `"gdp"` is logged as an
+        estimate.
 
-    Parameters:
-        > Parameters that control the privacy guarantee
+    > Parameters that control sampling, clipping and the noise
 
-        target_epsilon (`float`, *optional*, defaults to `None`):
-            Privacy budget. The noise multiplier is calibrated, before training, so that the planned number of steps
-            ends at epsilon <= `target_epsilon` under `accountant`; training stops if it would go past it. Give
-            exactly one of `target_epsilon` and `noise_multiplier`.
-        noise_multiplier (`float`, *optional*, defaults to `None`):
-            Noise standard deviation divided by `per_sample_max_grad_norm`. Give exactly one of the two.
-        target_delta (`float`, *optional*, defaults to `None`):
-            delta of the (epsilon, delta) guarantee. `None` means `1 / (2 N)` with `N` the training set size.
-        per_sample_max_grad_norm (`float`, *optional*, defaults to `0.1`):
-            Clipping norm `C` of each example's gradient (Li et al. 2022 recommend a small C such as 0.1).
-        accountant (`str`, *optional*, defaults to `"rdp"`):
-            Accountant used for calibration, for the budget stop and for the `epsilon` log key: `"rdp"`, `"prv"`
-            (upper bound) or `"gdp"` (CLT approximation; can underestimate).
-        epsilon_accountants (`list[str]`, *optional*, defaults to `["rdp", "prv"]`):
-            Accountants whose epsilon is logged as `epsilon_<name>` at each logging step.
-
-        > Parameters that control sampling and clipping
-
-        poisson_sampling (`bool`, *optional*, defaults to `True`):
-            Draw each logical batch by including every example independently with probability
-            `q = per_device_train_batch_size * gradient_accumulation_steps * world_size / N` (what the accountants
-            assume). `False` uses shuffled fixed-size batches, for which the accounting is only a heuristic.
-            With `train_sampling_strategy="group_by_length"` each Poisson batch is ordered by length before it is cut
-            into micro-batches (less padding, same examples per step, same guarantee); `"sequential"` and
-            `"batch_rebalance"` are errors, because they choose the examples of a batch.
-        clipping_mode (`str`, *optional*, defaults to `"bk-mixopt"`):
-            `"bk-mixopt"` (per layer, the cheaper of ghost norm and instantiation), `"bk"` (ghost norm everywhere)
-            or `"per-sample"` (instantiate every per-example gradient).
-        per_example_loss_reduction (`str`, *optional*, defaults to `"mean"`):
-            How one example's token losses are combined: `"mean"` over its own target tokens, or `"sum"`.
-        loss_type (`str`, *optional*, defaults to `"auto"`):
-            Per-example loss: `"causal_lm"`, `"masked_lm"`, `"seq2seq_lm"`, `"sequence_classification"`,
-            `"token_classification"`, or `"auto"` (from the model class).
-        noise_seed (`int`, *optional*, defaults to `None`):
-            Seed of the noise generator. `None` draws a seed from the operating system; the generator state is saved
-            with checkpoints either way. A known seed lets anyone remove the noise: use it for tests only.
+    poisson_sampling (`bool`, *optional*, defaults to `True`):
+        Draw each logical batch by including every example independently with probability
+        `q = per_device_train_batch_size * gradient_accumulation_steps * world_size / N` (what the accountants
+        assume). `False` uses shuffled fixed-size batches, for which the accounting is only a heuristic.
+        With `train_sampling_strategy="group_by_length"` each Poisson batch is ordered by length before it is cut
+        into micro-batches (less padding, same examples per step, same guarantee); `"sequential"` and
+        `"batch_rebalance"` are errors, because they choose the examples of a batch.
+    clipping_mode (`str`, *optional*, defaults to `"bk-mixopt"`):
+        `"bk-mixopt"` (per layer, the cheaper of ghost norm and instantiation), `"bk"` (ghost norm everywhere)
+        or `"per-sample"` (instantiate every per-example gradient).
+    per_example_loss_reduction (`str`, *optional*, defaults to `"mean"`):
+        How one example's token losses are combined: `"mean"` over its own target tokens, or `"sum"`.
+    loss_type (`str`, *optional*, defaults to `"auto"`):
+        Per-example loss: `"causal_lm"`, `"masked_lm"`, `"seq2seq_lm"`, `"sequence_classification"`,
+        `"token_classification"`, `"question_answering"`, `"multiple_choice"`, or `"auto"` (from the model class).
+    dp_self_check (`bool`, *optional*, defaults to `True`):
+        On the first micro-batch, compare the engine's per-example gradient norms of a few examples with plain
+        per-example autograd and stop with an error naming the parameters that differ: catches an architecture the
+        engine gets wrong before any privacy is spent. Costs one extra forward/backward of the micro-batch and one
+        per checked example, once.
+    secure_mode (`bool`, *optional*, defaults to `False`):
+        Draw the noise and the Poisson batches from the operating system's cryptographically secure generator (the
+        noise by Box-Muller, four normals per coordinate against floating-point attacks, as Opacus's secure mode).
+        Slower (about 32 random bytes per parameter per step). By default they come from torch's and NumPy's
+        generators, seeded from the operating system at every start and never written anywhere.
+    noise_seed (`int`, *optional*, defaults to `None`):
+        FOR TESTS ONLY. A fixed seed makes the noise of every step, and the Poisson batches (seeded by `data_seed` or
+        `seed`), reproducible, so that a resumed run is bit-identical to an uninterrupted one. Anyone who knows it
+        can remove the noise: the model card then says the guarantee does not hold. `None` (default): seeded from the
+        operating system, never written to disk.
+    publish_training_metrics (`bool`, *optional*, defaults to `False`):
+        Write un-noised statistics of the training data (training loss, token counts, FLOs, run time) into released
+        files (`trainer_state.json`, `*_results.json`, the model card). They are not covered by the guarantee, and
+        the card says so. By default they stay in local logs (console, progress bar, `report_to`) only.
 
     > [!NOTE]
     > Changed defaults: `max_grad_norm=0.0`. Clipping the summed gradient after the noise is added (what
     > `max_grad_norm` does) is not part of DP-SGD; any value > 0 is an error.
-    """
+"""
+
+
+@dataclass
+class DPArgumentsMixin:
+    """The differential-privacy fields shared by every DP arguments class, and their checks."""
 
     # Re-declared: HF clipping after privatisation is wrong.
     max_grad_norm: float = field(
@@ -77,8 +109,8 @@ class DPTrainingArguments(TrainingArguments):
     target_epsilon: float | None = field(
         default=None,
         metadata={
-            "help": "Privacy budget epsilon (> 0); sigma is calibrated to reach it at the last step. "
-            "Exactly one of `target_epsilon` and `noise_multiplier`."
+            "help": "Privacy budget epsilon (> 0); sigma is calibrated when training starts to reach it at the last "
+            "step. Exactly one of `target_epsilon` and `noise_multiplier`."
         },
     )
     noise_multiplier: float | None = field(
@@ -86,7 +118,7 @@ class DPTrainingArguments(TrainingArguments):
         metadata={"help": "Noise std / clipping norm (>= 0). Exactly one of `target_epsilon` and `noise_multiplier`."},
     )
     target_delta: float | None = field(
-        default=None, metadata={"help": "delta in (0, 1). None: 1 / (2 N), N = number of training examples."}
+        default=None, metadata={"help": "delta in (0, 1/N). None: 1 / (2 N), N = number of training examples."}
     )
     per_sample_max_grad_norm: float = field(
         default=0.1, metadata={"help": "Per-example clipping norm C (> 0), in gradient-norm units."}
@@ -94,13 +126,14 @@ class DPTrainingArguments(TrainingArguments):
     accountant: str = field(
         default="rdp",
         metadata={
-            "help": "Accountant for calibration, the budget stop and the `epsilon` log key.",
-            "choices": sorted(ACCOUNTANTS),
+            "help": "Proven accountant for calibration, the budget stop, the `epsilon` log key and the card's "
+            "headline (GDP is an estimate: log it with `epsilon_accountants`).",
+            "choices": sorted(PROVEN_ACCOUNTANTS),
         },
     )
     epsilon_accountants: list[str] = field(
         default_factory=lambda: ["rdp", "prv"],
-        metadata={"help": "Accountants logged as `epsilon_<name>` at each logging step (PRV is cached)."},
+        metadata={"help": "Accountants logged as `epsilon_<name>` at each logging step ('gdp': an estimate)."},
     )
     poisson_sampling: bool = field(
         default=True, metadata={"help": "Poisson sampling of logical batches (what the accountants assume)."}
@@ -115,15 +148,30 @@ class DPTrainingArguments(TrainingArguments):
     )
     loss_type: str = field(
         default="auto",
-        metadata={"help": "Per-example loss; 'auto' picks it from the model class.", "choices": LOSS_TYPES},
+        metadata={"help": "Per-example loss; 'auto' picks it from the model class.", "choices": ["auto", *LOSS_TYPES]},
+    )
+    dp_self_check: bool = field(
+        default=True,
+        metadata={"help": "Check the engine's per-example norms against plain autograd on the first micro-batch."},
+    )
+    secure_mode: bool = field(
+        default=False,
+        metadata={"help": "Noise and Poisson draws from the OS's cryptographically secure generator (slower)."},
     )
     noise_seed: int | None = field(
         default=None,
-        metadata={"help": "Noise generator seed; None: drawn from the OS. A known seed voids privacy (tests only)."},
+        metadata={"help": "TESTS ONLY: a fixed noise seed lets anyone remove the noise. None: from the OS, never saved."},
+    )
+    publish_training_metrics: bool = field(
+        default=False,
+        metadata={"help": "Write the un-noised training loss/token counts into released files (not covered)."},
     )
 
     def __post_init__(self):
         super().__post_init__()
+        self._check_dp_fields()
+
+    def _check_dp_fields(self) -> None:  # noqa: C901 - one check per field, in order
         if self.max_grad_norm and self.max_grad_norm > 0:
             raise ValueError(
                 f"`max_grad_norm`={self.max_grad_norm} is not supported by DPTrainer, because clipping the noisy "
@@ -144,8 +192,7 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(f"`target_delta` must be in (0, 1), got {self.target_delta}.")
         if not self.per_sample_max_grad_norm > 0:
             raise ValueError(f"`per_sample_max_grad_norm` must be > 0, got {self.per_sample_max_grad_norm}.")
-        if self.accountant not in ACCOUNTANTS:
-            raise ValueError(f"Unknown `accountant` {self.accountant!r}. Choose one of {sorted(ACCOUNTANTS)}.")
+        check_proven_accountant(self.accountant)
         if isinstance(self.epsilon_accountants, str):
             self.epsilon_accountants = [a for a in self.epsilon_accountants.split(",") if a]
         for name in self.epsilon_accountants:
@@ -162,8 +209,8 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"`per_example_loss_reduction` must be 'mean' or 'sum', got {self.per_example_loss_reduction!r}."
             )
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"Unknown `loss_type` {self.loss_type!r}. Choose one of {LOSS_TYPES}.")
+        if self.loss_type not in ("auto", *LOSS_TYPES):
+            raise ValueError(f"Unknown `loss_type` {self.loss_type!r}. Choose one of {['auto', *LOSS_TYPES]}.")
         if self.poisson_sampling:
             if self.dataloader_drop_last:
                 raise ValueError(
@@ -177,9 +224,46 @@ class DPTrainingArguments(TrainingArguments):
                     "accountant assumes. Use 'random', or 'group_by_length' (which only orders each Poisson batch by "
                     "length before cutting it into micro-batches)."
                 )
-        if self.gradient_checkpointing:
+        if self.activation_checkpointing:
             raise ValueError(
-                "`gradient_checkpointing=True` is not supported by DPTrainer yet: the recomputed forward pass does not "
-                "produce the output gradients book-keeping hooks. Set `gradient_checkpointing=False` and lower "
-                "`per_device_train_batch_size` (raise `gradient_accumulation_steps` to keep the logical batch)."
+                "`activation_checkpointing=True` (`gradient_checkpointing`) is not supported by DPTrainer yet: the "
+                "recomputed forward pass is not book-kept. Set it to False and lower `per_device_train_batch_size` "
+                "(raise `gradient_accumulation_steps` to keep the logical batch)."
             )
+        if self.torch_compile:
+            raise ValueError(
+                "`torch_compile=True` is not supported by DPTrainer: the compiled graph bypasses the book-keeping "
+                "hooks, so every clipped gradient would be zero and training would run on noise alone. Set "
+                "`torch_compile=False`."
+            )
+        if self.neftune_noise_alpha is not None:
+            raise ValueError(
+                f"`neftune_noise_alpha`={self.neftune_noise_alpha} is not supported by DPTrainer, because NEFTune "
+                "scales each example's embedding noise by the padded length of its micro-batch, so one example's "
+                "update depends on its neighbours. Set `neftune_noise_alpha=None`."
+            )
+        if self.auto_find_batch_size:
+            raise ValueError(
+                "`auto_find_batch_size=True` is not supported by DPTrainer, because it changes the sample rate "
+                "mid-training. Set `auto_find_batch_size=False`."
+            )
+
+
+def _dp_doc(base: str) -> str:
+    return (
+        f"Configuration for [`{base}`]-style DP training: every field of the transformers arguments class it extends,"
+        f" plus the ones below.\n\n    Parameters:{_DP_PARAMETERS_DOC}"
+    )
+
+
+@dataclass
+class DPTrainingArguments(DPArgumentsMixin, TrainingArguments):
+    __doc__ = _dp_doc("DPTrainer")
+
+
+@dataclass
+class DPSeq2SeqTrainingArguments(DPArgumentsMixin, Seq2SeqTrainingArguments):
+    __doc__ = _dp_doc("DPSeq2SeqTrainer") + (
+        "\n    Every [`~transformers.Seq2SeqTrainingArguments`] field (`predict_with_generate`, "
+        "`generation_max_length`, `generation_num_beams`, `generation_config`) keeps its meaning."
+    )

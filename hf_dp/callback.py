@@ -1,18 +1,17 @@
-"""``DPCallback``: the privacy state of a run (accountant and noise generator), the budget stop, and checkpoints."""
+"""``DPCallback``: the privacy spent by a run (accountant history), the budget stop, and checkpoints."""
 
 from __future__ import annotations
 
 import logging
 import math
-import secrets
 from typing import Any
 
-import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from .accounting import PrivacyAccountant
 from .accounting.methods import segments_epsilon
+from .release import release_state
 
 logger = logging.getLogger(__name__)
 
@@ -22,104 +21,99 @@ _MAX_BUDGET_STEPS = 10**8
 
 
 class DPCallback(TrainerCallback, ExportableState):
-    """Counts every noisy step in a :class:`~hf_dp.accounting.PrivacyAccountant`, stops training before the budget
-    would be exceeded, and saves its state (accountant history, noise generator) in ``trainer_state.json`` so that
-    ``resume_from_checkpoint`` continues the same epsilon. It acts on training only through ``control``.
+    """Holds the accountant of a run and stops training before the privacy budget would be exceeded.
 
-    Args:
-        noise_multiplier (`float`): sigma of every step.
-        sample_rate (`float`): q of every step.
-        delta (`float`): delta of the guarantee.
-        accountant (`str`, *optional*, defaults to `"rdp"`): accountant for the budget.
-        epsilon_budget (`float`, *optional*): stop before epsilon would exceed it (`None`: no stop).
-        noise_seed (`int`, *optional*): seed of the noise generator (`None`: from the OS).
+    The trainer records every noisy step where it adds the noise (:meth:`record_step`, with the sigma and q that step
+    used), so the history follows what actually happened, segment by segment, whatever resume path rebuilt this
+    callback. What it saves in ``trainer_state.json`` is the spent privacy and the bookkeeping a resume needs (history,
+    training set size, the first draw of the current ``train()`` call, the calibration plan); it holds no secret: the
+    noise and sampling seeds never reach it (DESIGN §4 rule 14). It acts on training only through ``control``.
+
+    The run's settings (``noise_multiplier``, ``sample_rate``, ``delta``, ``accountant``, ``epsilon_budget``) are set
+    by the trainer with :meth:`configure` before every ``train()``; they are not saved, so a callback rebuilt from a
+    checkpoint never accounts future steps with the checkpoint's settings.
     """
 
-    def __init__(
+    def __init__(self) -> None:
+        self.accountant = PrivacyAccountant()
+        self.delta: float | None = None
+        self.epsilon_budget: float | None = None
+        self.num_examples: int | None = None
+        self.draw_offset = 0
+        self.plan: dict[str, Any] = {}
+        self._budget_steps: int | None = None
+
+    def configure(
         self,
-        noise_multiplier: float = 0.0,
-        sample_rate: float = 1.0,
-        delta: float = 1e-5,
-        accountant: str = "rdp",
-        epsilon_budget: float | None = None,
-        noise_seed: int | None = None,
+        *,
+        noise_multiplier: float,
+        sample_rate: float,
+        delta: float,
+        accountant: str,
+        epsilon_budget: float | None,
+        num_examples: int,
     ) -> None:
-        self.accountant = PrivacyAccountant(noise_multiplier, sample_rate, accountant)
+        """This run's settings: sigma and q of future steps, delta, the headline accountant and the budget."""
+        self.accountant.noise_multiplier = noise_multiplier
+        self.accountant.sample_rate = sample_rate
+        self.accountant.accountant = accountant
         self.delta = delta
         self.epsilon_budget = epsilon_budget
-        self.noise_seed = secrets.randbits(62) if noise_seed is None else int(noise_seed)
-        self._generators: dict[str, torch.Generator] = {}
-        self._pending_generator_states: dict[str, list[int]] = {}
-        self._budget_steps: int | None = None
+        self.num_examples = num_examples
 
     # ------------------------------------------------------------------ state
     @property
-    def noise_multiplier(self) -> float:
+    def noise_multiplier(self) -> float | None:
         return self.accountant.noise_multiplier
 
     @property
-    def sample_rate(self) -> float:
+    def sample_rate(self) -> float | None:
         return self.accountant.sample_rate
 
     @property
     def history(self) -> list[list[float]]:
+        """``[sigma, q, steps]`` segments, in order."""
         return self.accountant.history
 
     @history.setter
     def history(self, value: list[list[float]]) -> None:
-        self.accountant.load_state_dict({"history": value})
-
-    @property
-    def noise_generator_states(self) -> dict[str, list[int]]:
-        states = dict(self._pending_generator_states)
-        states.update({device: g.get_state().tolist() for device, g in self._generators.items()})
-        return states
-
-    @noise_generator_states.setter
-    def noise_generator_states(self, value: dict[str, list[int]]) -> None:
-        self._generators = {}
-        self._pending_generator_states = {str(k): list(v) for k, v in (value or {}).items()}
-
-    def noise_generator(self, device: torch.device) -> torch.Generator:
-        """The dedicated noise generator for ``device`` (restored from a checkpoint if one was loaded)."""
-        key = str(device)
-        if key not in self._generators:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(self.noise_seed)
-            if key in self._pending_generator_states:
-                generator.set_state(torch.tensor(self._pending_generator_states.pop(key), dtype=torch.uint8))
-            self._generators[key] = generator
-        return self._generators[key]
+        self.accountant.history = [[float(s), float(q), int(n)] for s, q, n in value]
 
     def state(self) -> dict[str, Any]:
         return {
-            "args": {
-                "noise_multiplier": self.noise_multiplier,
-                "sample_rate": self.sample_rate,
-                "delta": self.delta,
-                "accountant": self.accountant.accountant,
-                "epsilon_budget": self.epsilon_budget,
-                "noise_seed": self.noise_seed,
+            "args": {},
+            "attributes": {
+                "history": self.history,
+                "num_examples": self.num_examples,
+                "draw_offset": self.draw_offset,
+                "plan": self.plan,
             },
-            "attributes": {"history": self.history, "noise_generator_states": self.noise_generator_states},
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore the attributes saved by :meth:`state` (what the Trainer does when restoring callback states)."""
         for name, value in state.get("attributes", {}).items():
-            setattr(self, name, value)
+            if name in ("history", "num_examples", "draw_offset", "plan"):
+                setattr(self, name, value)
 
     # ------------------------------------------------------------------ privacy
     @property
     def steps(self) -> int:
+        """Noisy steps recorded so far (all ``train()`` calls and resumed segments)."""
         return self.accountant.steps
+
+    def record_step(self, *, noise_multiplier: float, sample_rate: float) -> None:
+        """One noisy step with these settings (called where the noise is added)."""
+        self.accountant.step(1, noise_multiplier=noise_multiplier, sample_rate=sample_rate)
 
     def epsilon(self, accountant: str | None = None) -> float:
         """Epsilon spent so far (``math.inf`` with zero noise)."""
+        if self.delta is None:
+            raise RuntimeError("DPCallback.configure() was not called: delta is unknown.")
         return self.accountant.epsilon(self.delta, accountant)
 
     def steps_within_budget(self) -> int | None:
-        """Total number of steps (taken and future, at the current sigma and q) that keeps epsilon within budget."""
+        """Total number of steps (taken and future, at the configured sigma and q) that keeps epsilon within budget."""
         if self.epsilon_budget is None:
             return None
         if self.noise_multiplier == 0:
@@ -148,6 +142,8 @@ class DPCallback(TrainerCallback, ExportableState):
 
     # ------------------------------------------------------------------ events
     def on_train_begin(self, args, state, control, **kwargs):
+        # Every later save of this state (checkpoints, save_state) writes only released statistics.
+        release_state(state, getattr(args, "publish_training_metrics", False))
         self._budget_steps = self.steps_within_budget()
         if self._budget_steps is not None and self._budget_steps <= self.steps:
             logger.warning("The privacy budget epsilon=%s is already spent; training stops.", self.epsilon_budget)
@@ -155,7 +151,6 @@ class DPCallback(TrainerCallback, ExportableState):
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.accountant.step()
         if self._budget_steps is not None and self.steps >= self._budget_steps:
             if state.max_steps and state.global_step < state.max_steps:
                 logger.warning(
@@ -168,7 +163,7 @@ class DPCallback(TrainerCallback, ExportableState):
         return control
 
     def __repr__(self) -> str:
-        eps = self.epsilon() if self.history else 0.0
+        eps = self.epsilon() if self.history and self.delta is not None else 0.0
         eps_text = "inf" if math.isinf(eps) else f"{eps:.3f}"
         return (
             f"DPCallback(sigma={self.noise_multiplier}, q={self.sample_rate}, delta={self.delta}, steps={self.steps}, "

@@ -6,42 +6,56 @@ from __future__ import annotations
 from torch.utils.data import IterableDataset
 from transformers import TrainingArguments
 
-from .arguments import DPTrainingArguments
+from .arguments import DPArgumentsMixin, DPTrainingArguments
 from .engine import plan_coverage
 
-__all__ = ["check_before_init", "dp_arguments"]
+__all__ = ["check_before_init", "check_train_dataset", "dp_arguments"]
 
 
-def dp_arguments(args: TrainingArguments | None) -> DPTrainingArguments:
-    """``args`` as DPTrainingArguments; a missing or plain TrainingArguments is an error (no default privacy)."""
+def dp_arguments(args: TrainingArguments | None, expected: type = DPTrainingArguments) -> DPArgumentsMixin:
+    """``args`` as DP arguments of class ``expected``; a missing or plain TrainingArguments is an error (there is no
+    default privacy level)."""
+    name = expected.__name__
     if args is None:
         raise ValueError(
-            "DPTrainer needs `args=DPTrainingArguments(...)` with `target_epsilon` or `noise_multiplier`: there is "
-            "no safe default privacy level."
+            f"This trainer needs `args={name}(...)` with `target_epsilon` or `noise_multiplier`: there is no safe "
+            "default privacy level."
         )
-    if isinstance(args, DPTrainingArguments):
+    if isinstance(args, DPArgumentsMixin):
+        if not isinstance(args, expected):
+            raise TypeError(f"`args` must be {name}, got {type(args).__name__}")
         return args
     if isinstance(args, TrainingArguments):
         raise ValueError(
-            "DPTrainer got a plain `TrainingArguments`; use `DPTrainingArguments(**args.to_dict(), "
-            "target_epsilon=...)` so that the privacy settings are explicit."
+            f"Got a plain `{type(args).__name__}`; use `{name}(**args.to_dict(), target_epsilon=...)` so that the "
+            "privacy settings are explicit."
         )
-    raise TypeError(f"`args` must be DPTrainingArguments, got {type(args).__name__}")
+    raise TypeError(f"`args` must be {name}, got {type(args).__name__}")
 
 
-def check_before_init(model, args: DPTrainingArguments, train_dataset, model_init) -> None:
-    """Model, data and settings that DPTrainer cannot train privately raise ValueError with what to change."""
-    if model_init is not None or model is None:
-        raise ValueError("DPTrainer needs `model`; `model_init` (hyperparameter search) is not supported yet.")
+def check_train_dataset(train_dataset) -> int:
+    """``N`` of a training set DP training can sample from; ValueError with what to do otherwise."""
     if train_dataset is None:
-        raise ValueError("DPTrainer needs `train_dataset`: its size N sets the sample rate and delta.")
+        raise ValueError(
+            "`train()` needs `train_dataset`: its size N sets the sample rate and delta. Pass it to the trainer "
+            "(it may be omitted only for `evaluate()`/`predict()`)."
+        )
     if isinstance(train_dataset, IterableDataset) or not hasattr(train_dataset, "__len__"):
         raise ValueError(
             "DPTrainer needs a `train_dataset` with a length (map-style), because Poisson sampling draws each "
             "example with probability q = L/N. Convert the iterable dataset to a map-style one."
         )
-    if args.auto_find_batch_size:
-        raise ValueError("`auto_find_batch_size=True` changes the sample rate mid-training; set it to False.")
+    if len(train_dataset) == 0:
+        raise ValueError("`train_dataset` is empty.")
+    return len(train_dataset)
+
+
+def check_before_init(model, args: DPArgumentsMixin, train_dataset, model_init) -> None:
+    """Model, data and settings that DP training cannot handle privately raise ValueError with what to change."""
+    if model_init is not None or model is None:
+        raise ValueError("DPTrainer needs `model`; `model_init` (hyperparameter search) is not supported yet.")
+    if train_dataset is not None:
+        check_train_dataset(train_dataset)
     if args.n_gpu > 1:
         raise ValueError(
             f"DPTrainer does not support torch.nn.DataParallel ({args.n_gpu} GPUs visible to one process): the "

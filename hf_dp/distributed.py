@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["all_reduce_sum_"]
+__all__ = ["all_reduce_sum_", "broadcast_from_main"]
 
 
 @torch.no_grad()
@@ -26,3 +26,14 @@ def all_reduce_sum_(tensors: list[torch.Tensor], *, bucket_elements: int = 2**24
             for t in group:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+
+def broadcast_from_main(values: list) -> list:
+    """``values`` of the main process on every process (a no-op without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    box = list(values)
+    dist.broadcast_object_list(box, src=0)
+    return box

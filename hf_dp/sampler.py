@@ -5,9 +5,15 @@ assume); its size is ``Binomial(N, q)``, so it can be empty. It is then split in
 ``num_micro_batches`` micro-batches whose sizes differ by at most one (some may be empty), so that the Trainer's
 accumulation boundaries are the logical-batch boundaries.
 
-The draws of epoch ``e`` come from a generator seeded by ``(seed, e)`` alone, so that resuming from a checkpoint (which
-skips the micro-batches already seen in the epoch) replays exactly the same batches. With several processes, every
-rank draws the same logical batch and keeps its own share, so that the union over ranks is one Poisson draw.
+Logical batch ``k`` of a run (``k = draw_offset + epoch * steps_per_epoch + j``) is drawn from a generator seeded by
+``(seed, k)`` alone. Who knows the seed knows which examples every step used, which voids the privacy amplification by
+subsampling the accountants rely on, so ``DPTrainer`` passes a secret seed drawn from the operating system at every
+start and never writes it (DESIGN §4 rule 14); only a run with a fixed ``noise_seed`` (tests) uses a known seed, and
+then resuming reproduces the uninterrupted run exactly. ``draw_offset`` makes a later ``train()`` call, or a resume
+that does not skip the batches already used, continue with draws never used before: no path replays a draw while
+counting it as fresh. ``secure=True`` draws the inclusion bits from SHAKE-256 keyed by the seed (a cryptographic
+generator) instead of NumPy's PCG64. With several processes, every rank draws the same logical batch and keeps its own
+share, so that the union over ranks is one Poisson draw.
 
 Given example lengths, each logical batch is ordered longest first before it is shared and split, so that every
 micro-batch holds examples of similar length and pads little. This changes only how a logical batch is cut into
@@ -17,6 +23,7 @@ added once per logical batch).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator, Sequence
 
@@ -34,7 +41,9 @@ class PoissonBatchSampler(Sampler[list[int]]):
         sample_rate (`float`): ``q`` in (0, 1].
         num_micro_batches (`int`): micro-batches per logical batch (``gradient_accumulation_steps``).
         steps_per_epoch (`int`, *optional*): logical batches per epoch; defaults to ``max(1, floor(1 / q))``.
-        seed (`int`, *optional*, defaults to 0): base seed; epoch ``e`` uses ``(seed, e)``.
+        seed (`int`, *optional*, defaults to 0): base seed; logical batch ``k`` uses ``(seed, k)``. Keep it secret.
+        draw_offset (`int`, *optional*, defaults to 0): index of the first logical batch of epoch 0.
+        secure (`bool`, *optional*, defaults to `False`): draw from SHAKE-256 keyed by ``seed`` (cryptographic).
         num_replicas (`int`, *optional*, defaults to 1): number of processes sharing each logical batch.
         rank (`int`, *optional*, defaults to 0): this process's share.
         lengths (`Sequence[int]`, *optional*): length of every example; when given, micro-batches group examples of
@@ -49,6 +58,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
         steps_per_epoch: int | None = None,
         *,
         seed: int = 0,
+        draw_offset: int = 0,
+        secure: bool = False,
         num_replicas: int = 1,
         rank: int = 0,
         lengths: Sequence[int] | None = None,
@@ -61,6 +72,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
             raise ValueError(f"`num_micro_batches` must be >= 1, got {num_micro_batches}.")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"`rank` must be in [0, {num_replicas}), got {rank}.")
+        if draw_offset < 0:
+            raise ValueError(f"`draw_offset` must be >= 0, got {draw_offset}.")
         if lengths is not None and len(lengths) != num_samples:
             raise ValueError(f"`lengths` has {len(lengths)} entries for {num_samples} examples.")
         self.num_samples = num_samples
@@ -68,6 +81,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self.num_micro_batches = num_micro_batches
         self.steps_per_epoch = steps_per_epoch or max(1, math.floor(1 / sample_rate))
         self.seed = seed
+        self.draw_offset = draw_offset
+        self.secure = secure
         self.num_replicas = num_replicas
         self.rank = rank
         self.lengths = None if lengths is None else np.asarray(lengths)
@@ -84,11 +99,23 @@ class PoissonBatchSampler(Sampler[list[int]]):
         # accelerate's DataLoaderShard.set_epoch also reaches `batch_sampler.batch_sampler.sampler.set_epoch`.
         return self
 
+    def __repr__(self) -> str:  # never show the seed
+        return (
+            f"PoissonBatchSampler(num_samples={self.num_samples}, sample_rate={self.sample_rate}, "
+            f"num_micro_batches={self.num_micro_batches}, steps_per_epoch={self.steps_per_epoch})"
+        )
+
+    def _uniforms(self, draw: int) -> np.ndarray:
+        if self.secure:
+            stream = hashlib.shake_256(f"{self.seed}:{draw}".encode()).digest(8 * self.num_samples)
+            return (np.frombuffer(stream, dtype=np.uint64) >> np.uint64(11)).astype(np.float64) / 2.0**53
+        return np.random.default_rng([self.seed, draw]).random(self.num_samples)
+
     def logical_batches(self) -> Iterator[np.ndarray]:
         """The logical batches of the current epoch (indices over all ranks)."""
-        rng = np.random.default_rng([self.seed, self.epoch])
-        for _ in range(self.steps_per_epoch):
-            yield np.flatnonzero(rng.random(self.num_samples) < self.sample_rate)
+        first = self.draw_offset + self.epoch * self.steps_per_epoch
+        for draw in range(first, first + self.steps_per_epoch):
+            yield np.flatnonzero(self._uniforms(draw) < self.sample_rate)
 
     def __iter__(self) -> Iterator[list[int]]:
         for batch in self.logical_batches():

@@ -234,11 +234,18 @@ class TestPrivacyAccounting:
         assert trainer.state.log_history[-1]["epsilon"] <= 2.0
 
     def test_budget_stop(self, tmp_dir):
-        """A run that would go past the budget (here: more steps than calibrated) stops at the budget."""
+        """A schedule that grows past the calibrated one (here a subclass that runs 40 steps where the plan has 5)
+        stops at the budget."""
+
+        class Longer(DPTrainer):
+            def set_initial_training_values(self, args, dataloader, *rest):
+                values = list(super().set_initial_training_values(args, dataloader, *rest))
+                values[0], values[-1] = 100, 40
+                return tuple(values)
+
         dataset = ToyDataset(40)
         args = dp_args(tmp_dir, noise_multiplier=None, target_epsilon=2.0, max_steps=5)
-        trainer = DPTrainer(model=gpt2(), args=args, train_dataset=dataset, data_collator=collate)
-        trainer.args.max_steps = 40  # the schedule grew after calibration
+        trainer = Longer(model=gpt2(), args=args, train_dataset=dataset, data_collator=collate)
         trainer.train()
         assert trainer.epsilon() <= 2.0
         assert 5 <= trainer.state.global_step < 40
@@ -416,11 +423,10 @@ class TestBadInput:
         with pytest.raises(ValueError, match="length"):
             grouped.get_train_dataloader()
 
-    def test_delta_above_one_over_n_warns(self, tmp_dir, caplog):
-        args = dp_args(tmp_dir, target_delta=0.1)
-        with caplog.at_level("WARNING"):
-            DPTrainer(model=gpt2(), args=args, train_dataset=ToyDataset(40), data_collator=collate)
-        assert "1/N" in caplog.text
+    def test_delta_at_or_above_one_over_n_is_refused(self, tmp_dir):
+        for delta in (0.1, 1 / 40):
+            with pytest.raises(ValueError, match="1/N"):
+                DPTrainer(model=gpt2(), args=dp_args(tmp_dir, target_delta=delta), train_dataset=ToyDataset(40))
 
 
 def test_hf_argument_parser_parses_dp_fields(tmp_dir):

@@ -1,0 +1,593 @@
+"""``DPTrainerMixin``: the DP steps shared by every DP trainer (sampling, per-example loss, clipping, noise,
+accounting, release), on top of a transformers ``Trainer`` class.
+
+What changes against the Trainer (DESIGN §3): the training DataLoader draws Poisson logical batches from a secret
+seed; the loss is one loss per example; the backward is book-kept, so that ``p.grad`` receives the sum of clipped
+per-example gradients; Gaussian noise from a secret, per-start seed is added once per logical step (before the Trainer
+reads ``grad_norm``) and the step is recorded with the sigma and q it used; epsilon is logged; everything written to
+disk or pushed passes :mod:`hf_dp.release`. The privacy settings are resolved when ``train()`` starts, from the
+arguments, the data and the privacy already spent (:mod:`hf_dp.privacy_plan`), never by editing the arguments. The
+book-keeping hooks live only while ``train()`` runs; afterwards the model is a plain model again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import secrets
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers.trainer_utils import TrainOutput, get_last_checkpoint, seed_worker
+from transformers.utils import is_datasets_available
+
+from .arguments import DPArgumentsMixin, DPTrainingArguments
+from .callback import DPCallback
+from .checks import check_before_init, check_train_dataset, dp_arguments
+from .collators import EmptyBatchSafeCollator, is_empty_batch
+from .distributed import all_reduce_sum_, broadcast_from_main
+from .engine import BookKeepingClipper
+from .losses import LABEL_NAMES, infer_loss_type, per_example_loss
+from .model_card import DP_TAGS, DPModelCardData, render_dp_section, write_dp_model_card
+from .noise import NoiseSource
+from .privacy_plan import DPPlan, resolve_plan
+from .release import release_state, released_log_history, released_metrics
+from .sampler import PoissonBatchSampler
+
+logger = logging.getLogger("hf_dp")
+
+__all__ = ["DPTrainerMixin"]
+
+TRAINER_STATE_NAME = "trainer_state.json"
+
+
+class DPTrainerMixin:
+    """The DP core of :class:`~hf_dp.DPTrainer` and :class:`~hf_dp.DPSeq2SeqTrainer` (use those)."""
+
+    _tag_names = DP_TAGS
+    #: The arguments class this trainer takes.
+    _dp_arguments_class: type = DPTrainingArguments
+    loss_is_scaled_for_ga = True  # compute_loss returns sum_i loss_i / L: nothing to divide by accumulation
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        args: DPArgumentsMixin | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        model_init=None,
+        compute_loss_func=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        optimizer_cls_and_kwargs=None,
+        preprocess_logits_for_metrics=None,
+    ) -> None:
+        args = dp_arguments(args, self._dp_arguments_class)
+        check_before_init(model, args, train_dataset, model_init)
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            model_init=None,
+            compute_loss_func=compute_loss_func,
+            compute_metrics=compute_metrics,
+            callbacks=[*(callbacks or []), DPCallback()],
+            optimizers=optimizers,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
+        if optimizer_cls_and_kwargs is not None:  # set here: Seq2SeqTrainer.__init__ does not take it
+            if self.optimizer is not None:
+                raise RuntimeError("Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible.")
+            self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        self.model_accepts_loss_kwargs = False  # never pass num_items_in_batch: it couples examples
+        self.loss_type = args.loss_type if args.loss_type != "auto" or compute_loss_func else infer_loss_type(model)
+        self.clipper: BookKeepingClipper | None = None  # installed by train(), removed when it returns
+        self.dp_audit_result: dict[str, Any] | None = None
+        self._dp_plan: DPPlan | None = None
+        self._noise_source: NoiseSource | None = None
+        self._sampling_seed: int | None = None
+        self._dp_step_active = False
+        self._per_example_loss_seen = False
+        self._needs_self_check = False
+        self._loss_window = torch.zeros(2, dtype=torch.float64)  # [sum of per-example losses, examples] since last log
+        self._loss_total = torch.zeros(2, dtype=torch.float64)  # the same over this train() call
+        release_state(self.state, args.publish_training_metrics)
+        if train_dataset is not None:  # bad settings fail now, not after the model is loaded on every GPU
+            self._dp_plan = self._resolve_plan()
+        if hasattr(self.model, "add_model_tags"):
+            self.model.add_model_tags(self._tag_names)
+
+    # ------------------------------------------------------------------ the plan
+    def _resolve_plan(self, *, past=(), saved=None, steps_done: int = 0) -> DPPlan:
+        num_examples = check_train_dataset(self.train_dataset)
+        return resolve_plan(
+            self.args, num_examples, world_size=self.args.world_size, past=past, saved=saved, steps_done=steps_done
+        )
+
+    @property
+    def dp_plan(self) -> DPPlan:
+        """The privacy settings of the current (or next) ``train()`` call."""
+        if self._dp_plan is None:
+            self._dp_plan = self._resolve_plan()
+        return self._dp_plan
+
+    # Read-only views of the plan, for scripts and reports.
+    expected_batch_size = property(lambda self: self.dp_plan.expected_batch_size, doc="L, the expected logical batch.")
+    sample_rate = property(lambda self: self.dp_plan.sample_rate, doc="q = L / N.")
+    delta = property(lambda self: self.dp_plan.delta, doc="delta of the guarantee.")
+    dp_noise_multiplier = property(lambda self: self.dp_plan.noise_multiplier, doc="sigma.")
+    num_dp_steps = property(lambda self: self.dp_plan.num_steps, doc="Noisy steps in the schedule.")
+    num_train_examples = property(lambda self: self.dp_plan.num_examples, doc="N.")
+
+    def dp_summary(self) -> dict[str, Any]:
+        """The privacy settings (what the WARNING line at ``train()`` start shows), plus epsilon spent so far."""
+        plan = self.dp_plan
+        return {
+            "noise_multiplier": plan.noise_multiplier,
+            "sample_rate": plan.sample_rate,
+            "expected_batch_size": plan.expected_batch_size,
+            "num_examples": plan.num_examples,
+            "steps": plan.num_steps,
+            "delta": plan.delta,
+            "target_epsilon": plan.target_epsilon,
+            "accountant": plan.accountant,
+            "max_grad_norm": self.args.per_sample_max_grad_norm,
+            "clipping_mode": self.args.clipping_mode,
+            "secure_mode": self.args.secure_mode,
+            "steps_taken": self.dp_callback.steps,
+            "epsilon": self.dp_callback.epsilon(plan.accountant) if self.dp_callback.delta else 0.0,
+        }
+
+    # ------------------------------------------------------------------ data
+    def get_train_dataloader(self) -> DataLoader:
+        """Poisson logical batches split into ``gradient_accumulation_steps`` micro-batches (may be empty)."""
+        if not self.args.poisson_sampling:
+            return super().get_train_dataloader()
+        seed = self._sampling_seed
+        if seed is None:  # outside train(): draws from a throwaway secret seed (never trained on)
+            seed = self.args.seed if self.args.noise_seed is not None else secrets.randbits(128)
+        dataset, collator = self.train_dataset, self.data_collator
+        lengths = None
+        if self.args.train_sampling_strategy == "group_by_length":
+            # Trainer's own LengthGroupedSampler resolves the lengths (length column, or the first model input).
+            lengths = super()._get_train_sampler(dataset).lengths
+        if is_datasets_available():
+            import datasets
+
+            if isinstance(dataset, datasets.Dataset):
+                dataset = self._remove_unused_columns(dataset, description="Training")
+            else:
+                collator = self._get_collator_with_removed_columns(collator, description="Training")
+        sampler = PoissonBatchSampler(
+            len(dataset),
+            self.dp_plan.sample_rate,
+            self.args.gradient_accumulation_steps,
+            seed=seed,
+            draw_offset=self.dp_callback.draw_offset,
+            secure=self.args.secure_mode,
+            num_replicas=self.args.world_size,
+            rank=self.args.process_index,
+            lengths=lengths,
+        )
+        params: dict[str, Any] = {
+            "batch_sampler": sampler,
+            "collate_fn": EmptyBatchSafeCollator(collator),
+            "num_workers": self.args.dataloader_num_workers,
+            "pin_memory": self.args.dataloader_pin_memory,
+            "persistent_workers": self.args.dataloader_persistent_workers,
+            "worker_init_fn": partial(
+                seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
+            ),
+        }
+        if self.args.dataloader_num_workers > 0 and self.args.dataloader_prefetch_factor is not None:
+            params["prefetch_factor"] = self.args.dataloader_prefetch_factor
+        dataloader = self.accelerator.prepare(DataLoader(dataset, **params))
+        # The sampler is already rank-aware: make accelerate's re-sharding wrapper (if any) a passthrough.
+        wrapper = getattr(dataloader, "batch_sampler", None)
+        if wrapper is not None and getattr(wrapper, "batch_sampler", None) is sampler:
+            wrapper.num_processes, wrapper.process_index = 1, 0
+        return dataloader
+
+    def set_initial_training_values(self, args, dataloader, *rest):
+        """The Trainer's schedule, with the step count of the privacy plan when ``max_steps`` is not set (the user's
+        arguments are never modified)."""
+        values = list(super().set_initial_training_values(args, dataloader, *rest))
+        num_train_epochs, steps_per_epoch, *_, max_steps = values
+        if not (args.max_steps and args.max_steps > 0):
+            max_steps = self.dp_plan.num_steps
+            values[0] = math.ceil(max_steps / steps_per_epoch)
+            values[3] = max_steps * values[4]  # num_train_samples = steps x total batch
+            values[-1] = max_steps
+        return tuple(values)
+
+    # ------------------------------------------------------------------ loss
+    def _label_keys(self) -> set[str]:
+        keys = set(self.label_names or []) | {"labels", "shift_labels"}
+        if self.loss_type in LABEL_NAMES:
+            keys |= set(LABEL_NAMES[self.loss_type])
+        return keys
+
+    def _model_inputs(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The batch without label tensors (the model must not compute its own batch-mean loss)."""
+        keys = self._label_keys()
+        model_inputs = {k: v for k, v in inputs.items() if k not in keys}
+        if self.loss_type == "seq2seq_lm" and "decoder_input_ids" not in model_inputs and "labels" in inputs:
+            unwrapped = self.accelerator.unwrap_model(model)
+            if hasattr(unwrapped, "get_base_model"):
+                unwrapped = unwrapped.get_base_model()
+            model_inputs["decoder_input_ids"] = unwrapped.prepare_decoder_input_ids_from_labels(labels=inputs["labels"])
+        return model_inputs
+
+    def compute_per_example_loss(self, outputs, inputs: dict[str, Any]) -> torch.Tensor:
+        """``[B]`` losses, entry ``i`` depending on example ``i`` alone: ``compute_loss_func(outputs, labels)`` if
+        given (``labels``: the batch's label tensor, or a dict of them when it carries several), else the loss of
+        ``loss_type`` (with ``label_smoothing_factor`` applied per example). Override to change the loss."""
+        present = {k: inputs[k] for k in self._label_keys() if k in inputs}
+        if self.compute_loss_func is not None:
+            names = [k for k in (self.label_names or ["labels"]) if k in inputs] or sorted(present)
+            labels = inputs[names[0]] if len(names) == 1 else {k: inputs[k] for k in names}
+            loss = self.compute_loss_func(outputs, labels)
+        else:
+            loss = per_example_loss(
+                self.loss_type,
+                outputs,
+                present,
+                reduction=self.args.per_example_loss_reduction,
+                label_smoothing=self.args.label_smoothing_factor,
+            )
+        batch_size = _batch_size(inputs)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 1 or loss.shape[0] != batch_size:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"The per-example loss must have shape [{batch_size}], got {shape}; `compute_loss_func` must return "
+                "one loss per example, not a batch mean."
+            )
+        return loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """During a DP step: ``sum_i loss_i / L`` from per-example losses (the clipper book-keeps its backward).
+        Otherwise (evaluation): the Trainer's own loss, so that ``eval_loss`` is what ``Trainer`` reports."""
+        if not self._dp_step_active:
+            if self.compute_loss_func is None:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            outputs = model(**self._model_inputs(model, inputs))
+            loss = self.compute_per_example_loss(outputs, inputs).mean()
+            return (loss, outputs) if return_outputs else loss
+        outputs = model(**self._model_inputs(model, inputs))
+        per_example = self.compute_per_example_loss(outputs, inputs)
+        self.clipper.prepare(per_example)
+        self._per_example_loss_seen = True
+        detached = per_example.detach().double()
+        self._loss_window += torch.stack([detached.sum().cpu(), torch.tensor(float(detached.numel()))])
+        loss = per_example.sum() / self.dp_plan.expected_batch_size
+        return (loss, outputs) if return_outputs else loss
+
+    # ------------------------------------------------------------------ step
+    def _loss_scale(self) -> float:
+        """``w``: the factor between the true per-example gradients and those the backward produced (K / L)."""
+        scaler = getattr(self.accelerator, "scaler", None)
+        k = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+        accumulation = getattr(self.accelerator, "gradient_accumulation_steps", 1) or 1
+        return k / (self.dp_plan.expected_batch_size * accumulation)
+
+    def _self_check(self, inputs: dict[str, Any]) -> None:
+        """Compare the engine's per-example norms with plain autograd on a few examples, once (DESIGN §4 rule 17)."""
+        prepared = self._prepare_inputs(inputs)
+
+        def loss_fn(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+            return self.compute_per_example_loss(model(**self._model_inputs(model, batch)), batch)
+
+        with self.compute_loss_context_manager():
+            error = self.clipper.self_check(prepared, loss_fn)
+        logger.info("hf_dp self-check passed: per-example norms agree with autograd (max relative error %.2e).", error)
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """Clipped per-example gradients into ``p.grad``; at the last micro-batch, the noise and the accountant."""
+        if self.clipper is None:
+            raise RuntimeError("DPTrainer.training_step runs inside `train()` only (the clipper is installed there).")
+        scale = self._loss_scale()
+        if is_empty_batch(inputs):  # a Poisson batch can be empty: no gradient, but the step still counts
+            loss = torch.zeros((), device=self.args.device)
+        else:
+            if self._needs_self_check and hasattr(self.clipper, "self_check"):  # TEMP(lead): until the engine lands
+                self._self_check(inputs)
+                self._needs_self_check = False
+            self._dp_step_active, self._per_example_loss_seen = True, False
+            # DDP must not reduce: BK puts the clipped sums in p.grad outside autograd, and they are all-reduced
+            # once per logical step below (ranks with an empty micro-batch skip the backward without deadlock).
+            no_sync = model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+            try:
+                with no_sync:
+                    loss = super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                self._dp_step_active = False
+            if not self._per_example_loss_seen:
+                raise ValueError(
+                    f"{type(self).__name__}.compute_loss was overridden and returned a loss that did not go through "
+                    "`compute_per_example_loss`: the per-example gradients cannot be clipped, and training would run "
+                    "on noise alone. Override `compute_per_example_loss(outputs, inputs)` (one loss per example) or "
+                    "pass `compute_loss_func` instead."
+                )
+            # The backward ran on w * sum_i loss_i: clip at w*C in its units (Li et al. 2022, App. T: K*C in fp16).
+            self.clipper.finish(loss_scale=scale)
+        if self.accelerator.sync_gradients:
+            self._ensure_grads()
+            if self.accelerator.is_main_process:
+                # Noise once per logical step: the main process adds N(0, sigma^2 C^2) to its share of the sum before
+                # the all-reduce, so the global sum carries it exactly once.
+                self._add_noise(scale)
+            if self.accelerator.num_processes > 1:
+                all_reduce_sum_([p.grad for p in self._trainable_parameters()])
+            self.dp_callback.record_step(
+                noise_multiplier=self.dp_plan.noise_multiplier, sample_rate=self.dp_plan.sample_rate
+            )
+        return loss
+
+    def _trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def _ensure_grads(self) -> None:
+        for p in self._trainable_parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    @torch.no_grad()
+    def _add_noise(self, scale: float) -> None:
+        """p.grad += w * N(0, sigma^2 C^2), so that after unscaling by K the update is the DP-SGD one,
+        (sum + noise) / L. Step ``s``'s noise comes from the run's secret source (never written to disk)."""
+        std = scale * self.dp_plan.noise_multiplier * self.args.per_sample_max_grad_norm
+        if std == 0:
+            return
+        params = self._trainable_parameters()
+        by_device: dict[torch.device, list[nn.Parameter]] = {}
+        for p in params:
+            by_device.setdefault(p.grad.device, []).append(p)
+        for device, group in by_device.items():
+            noise = self._noise_source.normal(
+                step=self.dp_callback.steps, shapes=[p.shape for p in group], std=std, device=device,
+                dtype=torch.float32,
+            )
+            for p, n in zip(group, noise, strict=True):
+                p.grad.add_(n.to(p.grad.dtype))
+
+    # ------------------------------------------------------------------ privacy state, logs, train
+    @property
+    def dp_callback(self) -> DPCallback:
+        """The run's DPCallback (looked up: restoring callback states from a checkpoint replaces the instance)."""
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, DPCallback):
+                return callback
+        raise RuntimeError("The DPCallback was removed from this trainer; it holds the privacy accountant.")
+
+    def _configure_dp_callback(self) -> None:
+        plan = self.dp_plan
+        self.dp_callback.configure(
+            noise_multiplier=plan.noise_multiplier,
+            sample_rate=plan.sample_rate,
+            delta=plan.delta,
+            accountant=plan.accountant,
+            epsilon_budget=plan.target_epsilon,
+            num_examples=plan.num_examples,
+        )
+        self.dp_callback.plan = plan.saved()
+
+    def _load_callback_state(self) -> None:
+        """The Trainer's restore of callback states (``restore_callback_states_from_checkpoint``) rebuilds the
+        DPCallback from the checkpoint; it then gets this run's settings, never the checkpoint's."""
+        super()._load_callback_state()
+        self._configure_dp_callback()
+
+    def epsilon(self, accountant: str | None = None) -> float:
+        """Epsilon spent so far under ``accountant`` (default: ``args.accountant``)."""
+        return self.dp_callback.epsilon(accountant or self.args.accountant)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Adds ``epsilon`` and ``epsilon_<accountant>`` to every log (so they reach log_history and reporters), and
+        reports as ``loss`` the mean per-example loss of the examples actually used since the last log (a local,
+        non-private diagnostic: never written to released files unless ``publish_training_metrics``)."""
+        if "loss" in logs:
+            total = self._reduce_loss(self._loss_window)
+            self._loss_total += self._loss_window
+            self._loss_window.zero_()
+            if total[1] > 0:
+                logs["loss"] = float(total[0] / total[1])
+            else:
+                del logs["loss"]  # every batch since the last log was empty
+        if "train_loss" in logs:
+            total = self._reduce_loss(self._loss_total + self._loss_window)
+            logs["train_loss"] = float(total[0] / total[1]) if total[1] > 0 else math.nan
+        if self.dp_callback.delta is not None:
+            callback = self.dp_callback
+            logs["epsilon"] = callback.epsilon(self.args.accountant)
+            for name in self.args.epsilon_accountants:
+                logs[f"epsilon_{name}"] = logs["epsilon"] if name == self.args.accountant else callback.epsilon(name)
+        super().log(logs, start_time)
+
+    def _reduce_loss(self, window: torch.Tensor) -> torch.Tensor:
+        if self.accelerator.num_processes > 1:
+            reduced = window.to(self.args.device)
+            torch.distributed.all_reduce(reduced)
+            return reduced.cpu()
+        return window.clone()
+
+    def _restore_dp_state(self, checkpoint: str) -> int:
+        """Load the privacy spent from ``checkpoint``; returns its global step."""
+        with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as f:
+            trainer_state = json.load(f)
+        state = trainer_state.get("stateful_callbacks", {}).get(DPCallback.__name__)
+        if isinstance(state, list):
+            state = state[0]
+        if state is None:
+            raise ValueError(
+                f"Checkpoint {checkpoint} has no DPCallback state, so the privacy already spent is unknown. Resume "
+                "only from checkpoints written by a DP trainer."
+            )
+        self.dp_callback.load_state(state)
+        saved_n = self.dp_callback.num_examples
+        current_n = len(self.train_dataset)
+        if saved_n is not None and saved_n != current_n:
+            raise ValueError(
+                f"Checkpoint {checkpoint} was trained on N={saved_n} examples and this run has N={current_n}. "
+                "Resuming on a different training set is a different mechanism from the one accounted so far. "
+                "Resume with the same `train_dataset`, or start a new run in a new `output_dir`."
+            )
+        return int(trainer_state.get("global_step", 0))
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """``Trainer.train`` with the privacy settings resolved first (restoring the privacy spent when resuming),
+        the book-keeping hooks installed for its duration, and fresh secret seeds for the noise and the sampling."""
+        check_train_dataset(self.train_dataset)
+        callback = self.dp_callback
+        steps_done = 0
+        if resume_from_checkpoint:
+            checkpoint = resume_from_checkpoint
+            if checkpoint is True:
+                checkpoint = get_last_checkpoint(self.args.output_dir)
+                if checkpoint is None:
+                    raise ValueError(f"No checkpoint found in output_dir ({self.args.output_dir}) to resume from.")
+            steps_done = self._restore_dp_state(checkpoint)
+            if self.args.ignore_data_skip:  # the epoch restarts from its first batch: continue with fresh draws
+                callback.draw_offset = callback.steps
+        else:
+            callback.draw_offset = callback.steps  # an earlier train() call used draws [0, steps): continue after it
+        self._dp_plan = self._resolve_plan(past=callback.history, saved=callback.plan, steps_done=steps_done)
+        self._configure_dp_callback()
+        self._start_secret_streams()
+        self._log_plan()
+        self.clipper = BookKeepingClipper(
+            self.model, max_grad_norm=self.args.per_sample_max_grad_norm, mode=self.args.clipping_mode
+        )
+        self._needs_self_check = self.args.dp_self_check
+        self._loss_window.zero_()
+        self._loss_total.zero_()
+        try:
+            output = super().train(
+                resume_from_checkpoint=resume_from_checkpoint,
+                trial=trial,
+                ignore_keys_for_eval=ignore_keys_for_eval,
+                **kwargs,
+            )
+        finally:
+            self.clipper.remove()
+            self.clipper = None
+            self._noise_source = self._sampling_seed = None
+        return TrainOutput(output.global_step, output.metrics.get("train_loss", output.training_loss), output.metrics)
+
+    def _start_secret_streams(self) -> None:
+        """Noise and sampling seeds for this start: from the OS (shared by all processes, never written), or from
+        ``noise_seed`` and ``data_seed``/``seed`` in a test run."""
+        args = self.args
+        if args.noise_seed is not None:
+            sampling_seed = args.data_seed if args.data_seed is not None else args.seed
+            self._noise_source = NoiseSource(args.noise_seed, secure=args.secure_mode)
+        else:
+            noise_seed, sampling_seed = broadcast_from_main([secrets.randbits(128), secrets.randbits(128)])
+            self._noise_source = NoiseSource(noise_seed, secure=args.secure_mode)
+            self._noise_source.deterministic = False
+        self._sampling_seed = sampling_seed
+
+    def _log_plan(self) -> None:
+        plan = self.dp_plan
+        target = "none (fixed sigma)" if plan.target_epsilon is None else f"{plan.target_epsilon:g}"
+        logger.warning(
+            "hf_dp: DP training with sigma=%.4g, q=%.4g (L=%d of N=%d), %d steps, delta=%.3g, target epsilon=%s "
+            "(%s accountant), C=%g, clipping=%s%s. Spent so far: %d steps.",
+            plan.noise_multiplier,
+            plan.sample_rate,
+            plan.expected_batch_size,
+            plan.num_examples,
+            plan.num_steps,
+            plan.delta,
+            target,
+            plan.accountant.upper(),
+            self.args.per_sample_max_grad_norm,
+            self.args.clipping_mode,
+            ", secure_mode" if self.args.secure_mode else "",
+            self.dp_callback.steps,
+        )
+        if self.args.noise_seed is not None:
+            logger.warning("hf_dp: `noise_seed` is set: the noise is reproducible by anyone who knows it (tests only).")
+
+    # ------------------------------------------------------------------ release
+    def save_metrics(self, split, metrics, combined=True):
+        """``Trainer.save_metrics`` without un-noised training statistics (see :mod:`hf_dp.release`)."""
+        return super().save_metrics(split, released_metrics(metrics, self.args.publish_training_metrics), combined)
+
+    def save_state(self):
+        """``Trainer.save_state``; the written ``trainer_state.json`` holds only released statistics."""
+        release_state(self.state, self.args.publish_training_metrics)
+        return super().save_state()
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        """``Trainer.create_model_card`` from the released log history only, plus the DP section and tags."""
+        tags = kwargs.pop("tags", None)
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        kwargs["tags"] = tags + [t for t in DP_TAGS if t not in tags]
+        history = self.state.log_history
+        self.state.log_history = released_log_history(history, self.args.publish_training_metrics)
+        try:
+            super().create_model_card(*args, **kwargs)
+        finally:
+            self.state.log_history = history
+        if self.is_world_process_zero():
+            self._write_dp_section(self.args.output_dir)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model`` (the plain model or PEFT adapter, never a wrapper) plus the DP model card."""
+        super().save_model(output_dir, _internal_call=_internal_call)
+        if not _internal_call and self.is_world_process_zero():
+            self._write_dp_section(output_dir or self.args.output_dir)
+
+    def _write_dp_section(self, output_dir: str) -> None:
+        write_dp_model_card(output_dir, self.dp_model_card_section())
+
+    def dp_model_card_section(self) -> str:
+        """The "Differential privacy" section of the model card, for the privacy spent so far."""
+        callback = self.dp_callback
+        plan = self.dp_plan
+        if callback.delta is None:
+            self._configure_dp_callback()
+        names = sorted({self.args.accountant, *self.args.epsilon_accountants})
+        optimizer = self.optimizer
+        while optimizer is not None and hasattr(optimizer, "optimizer"):  # accelerate's AcceleratedOptimizer wrapper
+            optimizer = optimizer.optimizer
+        return render_dp_section(
+            DPModelCardData(
+                epsilons={name: callback.epsilon(name) for name in names},
+                accountant=self.args.accountant,
+                delta=plan.delta,
+                noise_multiplier=plan.noise_multiplier,
+                sample_rate=plan.sample_rate,
+                steps=callback.steps,
+                expected_batch_size=plan.expected_batch_size,
+                num_examples=plan.num_examples,
+                max_grad_norm=self.args.per_sample_max_grad_norm,
+                clipping_mode=self.args.clipping_mode,
+                poisson_sampling=self.args.poisson_sampling,
+                optimizer=type(optimizer).__name__ if optimizer is not None else self.args.optim,
+            )
+        )
+
+    def record_audit(self, result) -> None:
+        """Carry a privacy audit's result (``hf_dp.audit``; an object with ``card_fields()`` or a dict) on the card."""
+        self.dp_audit_result = dict(result.card_fields() if hasattr(result, "card_fields") else result)
+
+
+def _batch_size(inputs: dict[str, Any]) -> int:
+    for value in inputs.values():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0]
+    raise ValueError("The batch has no tensor with a batch dimension.")

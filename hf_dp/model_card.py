@@ -1,89 +1,476 @@
-"""The "Differential privacy" section of the model card, rendered from the template in ``model_cards/``."""
+"""The "Differential privacy" section of the model card, rendered from the template shipped in ``hf_dp/templates/``.
+
+The template is package data read with :mod:`importlib.resources`, so it is found in every kind of install (wheel,
+``pip install --user``, ``--target``, zipped). ``model_cards/dp_model_card.md`` at the top of the repository is a
+copy for readers; a test keeps the two identical.
+"""
 
 from __future__ import annotations
 
+import logging
 import math
-import sys
-from dataclasses import dataclass
+import os
+import re
+import textwrap
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
+from importlib import resources
 from pathlib import Path
 from string import Template
+from typing import Any
 
-__all__ = ["DP_TAGS", "DPModelCardData", "render_dp_section", "template_path", "write_dp_model_card"]
+from .epsilon_plot import plot_epsilon_curve
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DP_TAGS",
+    "DPModelCardData",
+    "format_bound",
+    "plot_epsilon_curve",
+    "render_dp_section",
+    "template_path",
+    "template_text",
+    "write_dp_model_card",
+]
 
 DP_TAGS = ["differential-privacy", "hf-dp"]
 TEMPLATE_NAME = "dp_model_card.md"
+SECTION_HEADING = "## Differential privacy"
 
+# Accountant key -> (label on the card, whether its epsilon is a proven upper bound).
+ACCOUNTANT_LABELS: dict[str, tuple[str, bool]] = {
+    "rdp": ("RDP", True),
+    "prv": ("PRV", True),
+    "gdp": ("GDP (CLT)", False),
+}
+AUDIT_KEYS = ("claimed_epsilon", "epsilon_lower_bound", "num_canaries", "significance", "delta")
 
-def template_path() -> Path:
-    """The template: ``model_cards/`` in a source checkout, or ``<prefix>/share/hf_dp/model_cards`` when installed."""
-    candidates = [
-        Path(__file__).resolve().parents[1] / "model_cards" / TEMPLATE_NAME,
-        Path(sys.prefix) / "share" / "hf_dp" / "model_cards" / TEMPLATE_NAME,
-    ]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise FileNotFoundError(f"DP model card template {TEMPLATE_NAME} not found in {[str(c) for c in candidates]}.")
+_DROP = "\x00drop-line\x00"  # an optional block left empty: its template line is removed
 
 
 @dataclass
 class DPModelCardData:
-    """Everything the DP section states."""
+    """Everything the DP section of the model card states. The trainer fills it; the card only renders it.
+
+    Args:
+        epsilons (`dict[str, float]`):
+            Epsilon spent at `delta` under each accountant computed, keyed `"rdp"`, `"prv"` (the upper end of the
+            PRV accountant's error interval, not its estimate) or `"gdp"`. Must hold `accountant`. A `"gdp"` entry is
+            shown as an estimate, never as a bound. Bounds are rounded up on the card.
+        accountant (`str`):
+            The headline accountant: `"rdp"` or `"prv"` (proven upper bounds). `"gdp"` is refused at rendering.
+        delta (`float`):
+            The delta of the guarantee, in (0, 1).
+        expected_batch_size (`int`):
+            Expected logical batch size L = q N of the current settings (shown when there is one segment).
+        num_examples (`int`):
+            N, the size of the training set.
+        max_grad_norm (`float`):
+            C, the per-example clipping norm.
+        clipping_mode (`str`):
+            How per-example norms were computed (`"bk"`, `"bk-mixopt"`, `"ghost"`, `"per-sample"`).
+        poisson_sampling (`bool`):
+            Whether logical batches were Poisson-sampled. If not, the card states that no guarantee is proven.
+        optimizer (`str`):
+            Name of the optimizer class that took the steps, e.g. `"AdamW"`.
+        segments (`Sequence[tuple[float, float, int]]`, *optional*):
+            The privacy history as `(noise_multiplier, sample_rate, steps)` segments, oldest first, e.g.
+            `PrivacyAccountant.history`. Several segments arise when a run was resumed with changed settings; each
+            gets its own row. If `None`, the legacy fields `noise_multiplier`, `sample_rate` and `steps` give one
+            segment.
+        noise_multiplier (`float`, *optional*):
+            Legacy: sigma of a single-segment run. Give either `segments` or these three fields.
+        sample_rate (`float`, *optional*):
+            Legacy: q of a single-segment run.
+        steps (`int`, *optional*):
+            Legacy: noisy steps of a single-segment run.
+        clipping_details (`str`, *optional*):
+            Free text on the clipping policy (e.g. group-wise or automatic clipping), shown as its own row.
+        secure_mode (`bool`, *optional*, defaults to `False`):
+            Whether the noise came from a cryptographically secure generator (`secure_mode`) rather than torch's
+            OS-seeded PRNG.
+        published_training_metrics (`list[str]`, *optional*, defaults to `[]`):
+            Names of un-noised statistics of the training data the user chose to publish (e.g. `["loss"]`). Empty: the
+            card says none was written. Non-empty: a warning says they are not covered by the guarantee.
+        audit (`dict`, *optional*):
+            Result of an empirical privacy audit, with keys `claimed_epsilon`, `epsilon_lower_bound`,
+            `num_canaries`, `significance`, `delta` and optionally `exposure`. Rendered as a "Privacy audit"
+            subsection.
+        epsilon_plot (`str`, *optional*):
+            File name of a PNG of epsilon against the step, relative to the card (see `plot_epsilon_curve`).
+
+    Example:
+        ```python
+        data = DPModelCardData(
+            epsilons={"rdp": 7.99, "prv": 6.83, "gdp": 5.9}, accountant="rdp", delta=1.25e-4,
+            expected_batch_size=200, num_examples=4000, max_grad_norm=0.5, clipping_mode="bk-mixopt",
+            poisson_sampling=True, optimizer="AdamW", segments=[(0.7415, 0.05, 160)],
+        )
+        section = render_dp_section(data)
+        ```
+    """
 
     epsilons: dict[str, float]
     accountant: str
     delta: float
-    noise_multiplier: float
-    sample_rate: float
-    steps: int
     expected_batch_size: int
     num_examples: int
     max_grad_norm: float
     clipping_mode: str
     poisson_sampling: bool
     optimizer: str
+    segments: Sequence[tuple[float, float, int]] | None = None
+    noise_multiplier: float | None = None
+    sample_rate: float | None = None
+    steps: int | None = None
+    clipping_details: str | None = None
+    secure_mode: bool = False
+    published_training_metrics: list[str] = field(default_factory=list)
+    audit: dict[str, Any] | None = None
+    epsilon_plot: str | None = None
+
+
+def template_text(name: str = TEMPLATE_NAME) -> str:
+    """The text of a card template shipped as package data in ``hf_dp/templates/``.
+
+    Args:
+        name (`str`, *optional*, defaults to `"dp_model_card.md"`): the template file.
+
+    Returns:
+        `str`: the template, with `string.Template` placeholders.
+    """
+    return resources.files(__package__).joinpath("templates", name).read_text(encoding="utf-8")
+
+
+def template_path() -> Path:
+    """Deprecated: the template may live in a zip; use :func:`template_text`."""
+    warnings.warn("`template_path()` is deprecated; use `template_text()`.", FutureWarning, stacklevel=2)
+    resource = resources.files(__package__).joinpath("templates", TEMPLATE_NAME)
+    if not isinstance(resource, Path):
+        raise FileNotFoundError(
+            f"The template {resource} is not a file on disk (zipped install); use `template_text()`."
+        )
+    return resource
+
+
+def format_bound(x: float, *, digits: int = 4, upper: bool = True) -> str:
+    """Format a bound to `digits` significant digits, rounding away from the claim it supports.
+
+    An upper bound (epsilon, delta) is rounded up and a lower bound down, so that the card never states a stronger
+    guarantee (or a weaker attack) than was computed.
+
+    Args:
+        x (`float`): the value, >= 0 or `inf`.
+        digits (`int`, *optional*, defaults to 4): significant digits.
+        upper (`bool`, *optional*, defaults to `True`): round up (an upper bound) or down (a lower bound).
+
+    Returns:
+        `str`: e.g. `format_bound(7.98749) == "7.988"`, `format_bound(1e-5) == "1e-05"`.
+    """
+    if math.isinf(x):
+        return "inf"
+    if x == 0:
+        return "0"
+    exact = Decimal(repr(float(x)))  # repr: the shortest decimal that is this float, so 1e-05 stays 1e-05
+    quantum = Decimal(1).scaleb(exact.adjusted() - digits + 1)
+    rounded = float(exact.quantize(quantum, rounding=ROUND_CEILING if upper else ROUND_FLOOR))
+    return f"{rounded:.{digits}g}"
+
+
+def _wrap(text: str, prefix: str = "") -> str:
+    """A paragraph wrapped at 120 characters like the template, each line starting with ``prefix`` (e.g. ``"> "``)."""
+    return textwrap.fill(text, width=120, initial_indent=prefix, subsequent_indent=prefix, break_on_hyphens=False)
 
 
 def _fmt(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:.4g}"
 
 
-def render_dp_section(data: DPModelCardData) -> str:
-    from . import __version__
-
-    epsilon = data.epsilons.get(data.accountant, math.inf)
-    by_accountant = ", ".join(f"{name}: {_fmt(value)}" for name, value in sorted(data.epsilons.items()))
-    if data.poisson_sampling:
-        sampling, note = "Poisson (each example included independently with probability q)", ""
+def _segments(data: DPModelCardData) -> list[tuple[float, float, int]]:
+    legacy = {"noise_multiplier": data.noise_multiplier, "sample_rate": data.sample_rate, "steps": data.steps}
+    given = [k for k, v in legacy.items() if v is not None]
+    if data.segments is not None:
+        if given:
+            raise ValueError(
+                f"Both `segments` and {', '.join(f'`{k}`' for k in given)} were given: give the privacy history once, "
+                "as `segments` (a list of (noise_multiplier, sample_rate, steps))."
+            )
+        segments = [(float(s[0]), float(s[1]), int(s[2])) for s in data.segments]
+    elif len(given) == len(legacy):
+        segments = [(float(data.noise_multiplier), float(data.sample_rate), int(data.steps))]
     else:
-        sampling = "shuffled fixed-size batches (sampling without replacement)"
-        note = (
-            "\n> [!WARNING]\n> The accountants assume Poisson sampling; with shuffled fixed-size batches the "
-            "epsilon above is a heuristic, not a proven bound.\n"
+        missing = [f"`{k}`" for k in legacy if legacy[k] is None]
+        raise ValueError(
+            f"The privacy history is incomplete ({', '.join(missing)} missing): set `segments` to a list of "
+            "(noise_multiplier, sample_rate, steps), or all of `noise_multiplier`, `sample_rate` and `steps`."
         )
-    return Template(template_path().read_text(encoding="utf-8")).substitute(
-        hf_dp_version=__version__,
-        epsilon=_fmt(epsilon),
-        delta=f"{data.delta:.3g}",
-        accountant=data.accountant.upper(),
-        epsilon_by_accountant=by_accountant,
-        noise_multiplier=f"{data.noise_multiplier:.4g}",
-        sample_rate=f"{data.sample_rate:.4g}",
-        steps=data.steps,
-        expected_batch_size=data.expected_batch_size,
-        num_examples=data.num_examples,
-        max_grad_norm=data.max_grad_norm,
-        clipping_mode=data.clipping_mode,
-        sampling=sampling,
-        optimizer=data.optimizer,
-        sampling_note=note,
+    if not segments:
+        raise ValueError("`segments` is empty: give at least one (noise_multiplier, sample_rate, steps) segment.")
+    for sigma, q, steps in segments:
+        if not (sigma >= 0 and 0 <= q <= 1 and steps >= 0):
+            raise ValueError(
+                f"Invalid segment (noise_multiplier={sigma}, sample_rate={q}, steps={steps}): need noise_multiplier "
+                ">= 0, 0 <= sample_rate <= 1 and steps >= 0."
+            )
+    return segments
+
+
+def _check(data: DPModelCardData, segments: list[tuple[float, float, int]]) -> None:
+    unknown = sorted(set(data.epsilons) - set(ACCOUNTANT_LABELS))
+    if unknown:
+        raise ValueError(
+            f"Unknown accountant(s) {unknown} in `epsilons`: the keys must be in {sorted(ACCOUNTANT_LABELS)}."
+        )
+    proven = sorted(k for k, (_, is_bound) in ACCOUNTANT_LABELS.items() if is_bound)
+    if data.accountant == "gdp":
+        raise ValueError(
+            "The headline accountant is 'gdp', but GDP (CLT) is an estimate that can under-estimate epsilon, not a "
+            f"bound: set `accountant` to one of {proven} for the guarantee (a GDP figure may stay in `epsilons`; the "
+            "card marks it as an estimate)."
+        )
+    if data.accountant not in proven:
+        raise ValueError(f"Unknown headline accountant {data.accountant!r}: set `accountant` to one of {proven}.")
+    if data.accountant not in data.epsilons:
+        raise ValueError(
+            f"`epsilons` has no entry for the headline accountant {data.accountant!r} (got {sorted(data.epsilons)}): "
+            "add it."
+        )
+    for name, eps in data.epsilons.items():
+        if not eps >= 0:  # also catches NaN
+            raise ValueError(f"Epsilon under {name!r} is {eps}: it must be >= 0 (or inf).")
+    if not 0 < data.delta < 1:
+        raise ValueError(f"`delta` must be in (0, 1), got {data.delta}.")
+    noiseless = [s for s in segments if s[0] == 0 and s[2] > 0]
+    if noiseless and math.isfinite(data.epsilons[data.accountant]):
+        raise ValueError(
+            f"A segment took {noiseless[0][2]} steps with noise_multiplier 0, so epsilon is infinite, but `epsilons` "
+            f"says {data.epsilons[data.accountant]} under {data.accountant!r}: recompute `epsilons` from the same "
+            "privacy history."
+        )
+    if isinstance(data.published_training_metrics, str):
+        raise TypeError("`published_training_metrics` must be a list of metric names (e.g. ['loss']), got str.")
+    if data.epsilon_plot is not None and (os.path.isabs(data.epsilon_plot) or "://" in data.epsilon_plot):
+        raise ValueError(
+            f"`epsilon_plot` must be a file name relative to the card (e.g. 'epsilon.png'), got {data.epsilon_plot!r}."
+        )
+    if data.audit is not None:
+        missing = [k for k in AUDIT_KEYS if k not in data.audit]
+        if missing:
+            raise ValueError(
+                f"`audit` lacks the key(s) {missing}: it needs {list(AUDIT_KEYS)} (and may have `exposure`)."
+            )
+        if not 0 < data.audit["significance"] < 1:
+            raise ValueError(f"`audit['significance']` must be in (0, 1), got {data.audit['significance']}.")
+
+
+def _epsilon_rows(data: DPModelCardData) -> str:
+    # Proven bounds first (the headline one leading), then estimates on rows of their own.
+    names = sorted(data.epsilons, key=lambda k: (not ACCOUNTANT_LABELS[k][1], k != data.accountant, k))
+    bound = "proven upper bound" if data.poisson_sampling else "not proven: assumes Poisson sampling"
+    rows = []
+    for name in names:
+        label, is_bound = ACCOUNTANT_LABELS[name]
+        eps = data.epsilons[name]
+        if is_bound:
+            rows.append(f"| Epsilon, {label} accountant | {format_bound(eps)} ({bound}) |")
+        else:
+            rows.append(f"| Epsilon, {label} accountant | {_fmt(eps)} (estimate, not a bound: can under-estimate) |")
+    return "\n".join(rows)
+
+
+def _noise_rows(segments: list[tuple[float, float, int]]) -> str:
+    if len(segments) == 1:
+        sigma, q, _ = segments[0]
+        return f"| Noise multiplier (sigma) | {_fmt(sigma)} |\n| Sample rate (q) | {_fmt(q)} |"
+    rows, start = [], 1
+    for k, (sigma, q, steps) in enumerate(segments, start=1):
+        span = f"steps {start}-{start + steps - 1}" if steps else "no steps"
+        rows.append(f"| Segment {k} ({span}) | noise multiplier (sigma) {_fmt(sigma)}, sample rate (q) {_fmt(q)} |")
+        start += steps
+    return "\n".join(rows)
+
+
+def _guarantee(data: DPModelCardData, segments: list[tuple[float, float, int]]) -> str:
+    label = ACCOUNTANT_LABELS[data.accountant][0]
+    eps = data.epsilons[data.accountant]
+    if math.isinf(eps):
+        return f"none: epsilon is infinite under the {label} accountant (some steps had no noise)"
+    claim = f"({format_bound(eps)}, {format_bound(data.delta, digits=3)})-DP"
+    if not data.poisson_sampling:
+        return f"none proven: {claim} under the {label} accountant assumes Poisson sampling, which was not used"
+    return f"{claim} under the {label} accountant (a proven upper bound)"
+
+
+def _published_note(metrics: list[str]) -> str:
+    if not metrics:
+        return (
+            "No un-noised statistic of the training data (training loss, token counts, FLOs) was written to the "
+            "released files."
+        )
+    names = ", ".join(f"`{m}`" for m in metrics)
+    return "> [!WARNING]\n" + _wrap(
+        f"These statistics of the training data were published without noise, at the user's request: {names}. They "
+        "are NOT covered by the guarantee above and can reveal information about individual training examples.",
+        "> ",
     )
 
 
-def write_dp_model_card(output_dir: str, section: str) -> None:
-    """Add (or replace) the DP section and tags in ``output_dir/README.md``, creating a minimal card if needed."""
-    import os
+def _audit_block(audit: dict[str, Any] | None) -> str:
+    if audit is None:
+        return _DROP
+    claimed, lower = float(audit["claimed_epsilon"]), float(audit["epsilon_lower_bound"])
+    confidence = f"{(1 - float(audit['significance'])) * 100:.4g}%"
+    rows = [
+        "### Privacy audit",
+        "",
+        "| Quantity | Value |",
+        "|---|---|",
+        f"| Claimed epsilon | {format_bound(claimed)} |",
+        f"| Empirical epsilon lower bound | {format_bound(lower, upper=False)} (at {confidence} confidence) |",
+        f"| Canaries | {int(audit['num_canaries'])} |",
+        f"| Significance | {audit['significance']:g} |",
+        f"| Delta | {format_bound(float(audit['delta']), digits=3)} |",
+    ]
+    if audit.get("exposure") is not None:
+        rows.append(f"| Exposure | {_fmt(float(audit['exposure']))} |")
+    rows += [
+        "",
+        _wrap(
+            "An empirical lower bound is what an attack on inserted canaries could demonstrate: one above the claimed "
+            "epsilon exposes a broken implementation or accounting, but one below it does not prove the claimed upper "
+            "bound."
+        ),
+    ]
+    if lower > claimed:
+        logger.warning("The audit's epsilon lower bound %s exceeds the claimed epsilon %s.", lower, claimed)
+        rows += [
+            "",
+            "> [!WARNING]\n"
+            + _wrap(
+                "The empirical lower bound exceeds the claimed epsilon: the implementation or the accounting may be "
+                "broken (or this is the chance failure at the stated significance). Do not rely on the guarantee "
+                "until this is understood.",
+                "> ",
+            ),
+        ]
+    return "\n".join(rows)
 
+
+def render_dp_section(data: DPModelCardData) -> str:
+    """Render the "Differential privacy" section of the model card.
+
+    Args:
+        data (`DPModelCardData`): what the card states.
+
+    Returns:
+        `str`: the Markdown section, starting with `## Differential privacy`.
+
+    Raises:
+        ValueError: if the headline accountant is not a proven bound (`"gdp"`) or unknown, its epsilon is missing,
+            the privacy history is missing, inconsistent or invalid, an epsilon contradicts a noiseless segment, or
+            `audit`/`epsilon_plot` are malformed.
+        TypeError: if `published_training_metrics` is a string instead of a list.
+
+    Example:
+        ```python
+        section = render_dp_section(data)
+        write_dp_model_card("out", section)
+        ```
+    """
+    from . import __version__
+
+    segments = _segments(data)
+    _check(data, segments)
+    steps = sum(s[2] for s in segments)
+    if len(segments) == 1:
+        batch_row = f"| Expected logical batch size | {data.expected_batch_size} |"
+    else:
+        sizes = ", ".join(_fmt(q * data.num_examples) for _, q, _ in segments)
+        batch_row = f"| Expected logical batch size (q N, per segment) | {sizes} |"
+    if data.poisson_sampling:
+        sampling, note = "Poisson (each example included independently with probability q)", _DROP
+    else:
+        sampling = "shuffled fixed-size batches (sampling without replacement)"
+        note = "> [!WARNING]\n" + _wrap(
+            "The accountants assume Poisson sampling; with shuffled fixed-size batches the epsilons above are a "
+            "heuristic, not a proven bound.",
+            "> ",
+        )
+    if data.secure_mode:
+        noise_source = "cryptographically secure (secure_mode)"
+    else:
+        noise_source = "OS-seeded PRNG (torch), re-seeded at every start; seed never written"
+    plot = _DROP
+    if data.epsilon_plot:
+        label = ACCOUNTANT_LABELS[data.accountant][0]
+        plot = f"![Epsilon spent against the optimizer step ({label} accountant)]({data.epsilon_plot})"
+    text = Template(template_text()).substitute(
+        hf_dp_version=__version__,
+        guarantee=_guarantee(data, segments),
+        epsilon_rows=_epsilon_rows(data),
+        delta=format_bound(data.delta, digits=3),
+        noise_rows=_noise_rows(segments),
+        steps=steps,
+        batch_row=batch_row,
+        num_examples=data.num_examples,
+        max_grad_norm=f"{data.max_grad_norm:g}",
+        clipping_mode=data.clipping_mode,
+        clipping_details_row=f"| Clipping details | {data.clipping_details} |" if data.clipping_details else _DROP,
+        sampling=sampling,
+        optimizer=data.optimizer,
+        noise_source=noise_source,
+        sampling_note=note,
+        epsilon_plot=plot,
+        published_note=_published_note(list(data.published_training_metrics)),
+        audit=_audit_block(data.audit),
+    )
+    text = "\n".join(line for line in text.splitlines() if line != _DROP)
+    return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
+
+
+def _replace_section(text: str, section: str) -> str:
+    """Put `section` in place of every existing DP section (up to the next level-2 heading), or at the end."""
+    lines = text.splitlines()
+    out: list[str] = []
+    placed = inside = False
+    for line in lines:
+        if line.strip() == SECTION_HEADING:
+            inside = True
+            if not placed:
+                out.append(_DROP)
+                placed = True
+            continue
+        if inside and line.startswith("## "):
+            inside = False
+        if not inside:
+            out.append(line)
+    body = "\n".join(out)
+    block = section.strip()
+    if placed:
+        body = body.replace(_DROP, block + "\n")
+    else:
+        body = body.rstrip() + "\n\n" + block + "\n"
+    return re.sub(r"\n{3,}", "\n\n", body).rstrip() + "\n"
+
+
+def write_dp_model_card(output_dir: str, section: str) -> None:
+    """Add or replace the DP section and add the DP tags in ``output_dir/README.md``, creating a minimal card if needed.
+
+    An existing "Differential privacy" section is replaced in place, up to the next level-2 heading, so sections the
+    user wrote after it are kept.
+
+    Args:
+        output_dir (`str`): the folder of the saved model.
+        section (`str`): the output of :func:`render_dp_section`.
+
+    Example:
+        ```python
+        write_dp_model_card("out", render_dp_section(data))
+        ```
+    """
     from huggingface_hub import ModelCard, ModelCardData
 
     path = os.path.join(output_dir, "README.md")
@@ -93,9 +480,5 @@ def write_dp_model_card(output_dir: str, section: str) -> None:
         name = os.path.basename(os.path.abspath(output_dir))
         card = ModelCard(f"---\n{ModelCardData().to_yaml()}\n---\n\n# {name}\n\nFine-tuned with hf_dp's DPTrainer.\n")
     card.data.tags = list(dict.fromkeys([*(card.data.tags or []), *DP_TAGS]))
-    text = card.text
-    marker = "## Differential privacy"
-    if marker in text:
-        text = text[: text.index(marker)].rstrip() + "\n"
-    card.text = text.rstrip() + "\n\n" + section
+    card.text = _replace_section(card.text, section)
     card.save(path)

@@ -34,10 +34,11 @@ from .collators import EmptyBatchSafeCollator, is_empty_batch
 from .distributed import all_reduce_sum_, broadcast_from_main
 from .engine import BookKeepingClipper
 from .losses import LABEL_NAMES, infer_loss_type, per_example_loss
+from .epsilon_plot import plot_epsilon_curve
 from .model_card import DP_TAGS, DPModelCardData, render_dp_section, write_dp_model_card
 from .noise import NoiseSource
 from .privacy_plan import DPPlan, resolve_plan
-from .release import release_state, released_log_history, released_metrics
+from .release import release_state, released_log_history, released_metrics, unreleased_log_keys
 from .sampler import PoissonBatchSampler
 
 logger = logging.getLogger("hf_dp")
@@ -45,6 +46,8 @@ logger = logging.getLogger("hf_dp")
 __all__ = ["DPTrainerMixin"]
 
 TRAINER_STATE_NAME = "trainer_state.json"
+#: The epsilon-vs-step plot written next to the model card (when matplotlib is installed).
+EPSILON_PLOT = "epsilon.png"
 
 
 class DPTrainerMixin:
@@ -91,7 +94,6 @@ class DPTrainerMixin:
             if self.optimizer is not None:
                 raise RuntimeError("Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible.")
             self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
-        self.model_accepts_loss_kwargs = False  # never pass num_items_in_batch: it couples examples
         self.loss_type = args.loss_type if args.loss_type != "auto" or compute_loss_func else infer_loss_type(model)
         self.clipper: BookKeepingClipper | None = None  # installed by train(), removed when it returns
         self.dp_audit_result: dict[str, Any] | None = None
@@ -199,6 +201,17 @@ class DPTrainerMixin:
         if wrapper is not None and getattr(wrapper, "batch_sampler", None) is sampler:
             wrapper.num_processes, wrapper.process_index = 1, 0
         return dataloader
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device) -> tuple[list, None]:
+        """The micro-batches of one logical step. ``num_items_in_batch`` (a token count over the whole logical batch,
+        which couples examples) is never computed for training; evaluation keeps the Trainer's own loss."""
+        batch_samples = []
+        for _ in range(num_batches):
+            try:
+                batch_samples.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        return batch_samples, None
 
     def set_initial_training_values(self, args, dataloader, *rest):
         """The Trainer's schedule, with the step count of the privacy plan when ``max_steps`` is not set (the user's
@@ -552,32 +565,40 @@ class DPTrainerMixin:
             self._write_dp_section(output_dir or self.args.output_dir)
 
     def _write_dp_section(self, output_dir: str) -> None:
-        write_dp_model_card(output_dir, self.dp_model_card_section())
+        points = [(h["step"], h["epsilon"]) for h in self.state.log_history if "epsilon" in h and "step" in h]
+        plot = None
+        if points and plot_epsilon_curve(points, os.path.join(output_dir, EPSILON_PLOT), accountant=self.args.accountant):
+            plot = EPSILON_PLOT
+        write_dp_model_card(output_dir, self.dp_model_card_section(epsilon_plot=plot))
 
-    def dp_model_card_section(self) -> str:
+    def dp_model_card_section(self, epsilon_plot: str | None = None) -> str:
         """The "Differential privacy" section of the model card, for the privacy spent so far."""
-        callback = self.dp_callback
         plan = self.dp_plan
-        if callback.delta is None:
+        if self.dp_callback.delta is None:  # no train() yet: the card states the plan and zero steps
             self._configure_dp_callback()
+        callback = self.dp_callback
         names = sorted({self.args.accountant, *self.args.epsilon_accountants})
         optimizer = self.optimizer
         while optimizer is not None and hasattr(optimizer, "optimizer"):  # accelerate's AcceleratedOptimizer wrapper
             optimizer = optimizer.optimizer
+        published = unreleased_log_keys(self.state.log_history) if self.args.publish_training_metrics else []
         return render_dp_section(
             DPModelCardData(
                 epsilons={name: callback.epsilon(name) for name in names},
                 accountant=self.args.accountant,
                 delta=plan.delta,
-                noise_multiplier=plan.noise_multiplier,
-                sample_rate=plan.sample_rate,
-                steps=callback.steps,
+                segments=[tuple(s) for s in callback.history] or [(plan.noise_multiplier, plan.sample_rate, 0)],
                 expected_batch_size=plan.expected_batch_size,
                 num_examples=plan.num_examples,
                 max_grad_norm=self.args.per_sample_max_grad_norm,
                 clipping_mode=self.args.clipping_mode,
                 poisson_sampling=self.args.poisson_sampling,
-                optimizer=type(optimizer).__name__ if optimizer is not None else self.args.optim,
+                optimizer=type(optimizer).__name__ if optimizer is not None else str(self.args.optim),
+                secure_mode=self.args.secure_mode,
+                fixed_noise_seed=self.args.noise_seed is not None,
+                published_training_metrics=published,
+                audit=self.dp_audit_result,
+                epsilon_plot=epsilon_plot,
             )
         )
 

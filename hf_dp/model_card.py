@@ -92,6 +92,9 @@ class DPModelCardData:
         secure_mode (`bool`, *optional*, defaults to `False`):
             Whether the noise came from a cryptographically secure generator (`secure_mode`) rather than torch's
             OS-seeded PRNG.
+        fixed_noise_seed (`bool`, *optional*, defaults to `False`):
+            Whether the run used a fixed `noise_seed` (a testing setting): anyone who knows it can regenerate and
+            subtract the noise, so the card warns that the guarantee does not hold.
         published_training_metrics (`list[str]`, *optional*, defaults to `[]`):
             Names of un-noised statistics of the training data the user chose to publish (e.g. `["loss"]`). Empty: the
             card says none was written. Non-empty: a warning says they are not covered by the guarantee.
@@ -128,6 +131,7 @@ class DPModelCardData:
     steps: int | None = None
     clipping_details: str | None = None
     secure_mode: bool = False
+    fixed_noise_seed: bool = False
     published_training_metrics: list[str] = field(default_factory=list)
     audit: dict[str, Any] | None = None
     epsilon_plot: str | None = None
@@ -301,6 +305,8 @@ def _guarantee(data: DPModelCardData, segments: list[tuple[float, float, int]]) 
     claim = f"({format_bound(eps)}, {format_bound(data.delta, digits=3)})-DP"
     if not data.poisson_sampling:
         return f"none proven: {claim} under the {label} accountant assumes Poisson sampling, which was not used"
+    if data.fixed_noise_seed:
+        return f"none: {claim} under the {label} accountant assumes secret noise, but a fixed `noise_seed` was used"
     return f"{claim} under the {label} accountant (a proven upper bound)"
 
 
@@ -399,7 +405,22 @@ def render_dp_section(data: DPModelCardData) -> str:
             "heuristic, not a proven bound.",
             "> ",
         )
-    if data.secure_mode:
+    if data.fixed_noise_seed:
+        noise_source = "a fixed `noise_seed` (testing setting): reproducible by anyone who knows it"
+        note = "\n".join(
+            part
+            for part in (
+                note if note != _DROP else "",
+                "> [!WARNING]\n"
+                + _wrap(
+                    "This run used a fixed `noise_seed`, a setting for tests: anyone who knows the seed can regenerate "
+                    "the noise and subtract it, so the epsilon above is no guarantee for this model.",
+                    "> ",
+                ),
+            )
+            if part
+        )
+    elif data.secure_mode:
         noise_source = "cryptographically secure (secure_mode)"
     else:
         noise_source = "OS-seeded PRNG (torch), re-seeded at every start; seed never written"

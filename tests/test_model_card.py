@@ -323,3 +323,11 @@ def test_built_wheel_ships_the_template(tmp_path):
         assert "| Quantity | Value |" in card and "- differential-privacy" in card
         assert "| Guarantee | (2.5, 1e-05)-DP under the PRV accountant (a proven upper bound) |" in card
         assert "| Epsilon, GDP (CLT) accountant | 2.1 (estimate, not a bound" in card
+
+
+def test_fixed_noise_seed_voids_the_headline():
+    section = render_dp_section(card_data(fixed_noise_seed=True))
+    rows = table(section)
+    assert rows["Guarantee"].startswith("none:") and "noise_seed" in rows["Guarantee"]
+    assert "noise_seed" in rows["Noise source"] and "subtract it" in flat(section)
+    assert "never written" in table(render_dp_section(card_data()))["Noise source"]

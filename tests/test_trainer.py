@@ -13,6 +13,7 @@ from transformers import HfArgumentParser, TrainerCallback, TrainingArguments
 from hf_dp import DPTrainer, DPTrainingArguments
 from hf_dp.accounting import epsilon as accounting_epsilon
 from hf_dp.accounting import noise_multiplier as calibrate
+from hf_dp.model_card import format_bound
 
 SEQ = 8
 
@@ -366,7 +367,7 @@ class TestPeftAndRelease:
             "differential-privacy",
             "hf-dp",
             "one training example",
-            f"{eps:.4g}",
+            format_bound(eps),
             "Poisson",
             "bk-mixopt",
             f"{trainer.delta:.3g}",

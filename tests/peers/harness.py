@@ -8,7 +8,8 @@ engine then runs on a fresh copy of the same model. The outcome is
   within ``rel`` (relative to its norm, with the oracle's round-off floor);
 * ``"refused: <message>"``: hf_dp raised ``UnsupportedModuleError``/``ValueError`` itself, at construction or in the
   first micro-batch (a refusal that comes later, after a step was taken, is not a refusal but a failure);
-* an ``AssertionError`` naming the relative error when the engine returned numbers that are wrong: the silent class.
+* an ``AssertionError`` naming the relative error when the engine returned numbers that are wrong: the silent class
+  (``"WRONG ..."``), or, with exact numbers, when ``p.grad`` carries an autograd graph (``"GRAPH ..."``, DESIGN 16).
 
 Anything else (a crash inside torch or transformers) propagates.
 """
@@ -148,7 +149,7 @@ def run_case(case: Case, mode: str, *, ref: Reference | None = None, rel: float 
 
 
 def _compare(model: nn.Module, ref: Reference, norms: list[Tensor], rel: float) -> str:
-    problems = []
+    problems, graphs = [], []
     worst = 0.0
     for k, (got, expected) in enumerate(zip(norms, ref.norms, strict=True)):
         err = float(((got.double() - expected).abs() / expected.abs().clamp_min(1e-300)).max())
@@ -166,14 +167,20 @@ def _compare(model: nn.Module, ref: Reference, norms: list[Tensor], rel: float) 
                 problems.append(f"{name}: no gradient (rel err 1)")
                 worst = max(worst, 1.0)
             continue
+        if grad.requires_grad:  # DESIGN 16: p.grad never carries an autograd graph
+            graphs.append(name)
+            grad = grad.detach()
         err = float((grad - expected).norm())
         if err > rel * float(expected.norm()) + 1e-12 * scale:
             r = _rel(err, float(expected.norm()))
             worst = max(worst, r)
             problems.append(f"{name}: clipped sum rel err {r:.2e}")
+    graph_note = f"p.grad of {len(graphs)} parameter(s) carries an autograd graph (e.g. {graphs[0]})" if graphs else ""
     if problems:
         shown = "; ".join(problems[:4]) + (f"; ... {len(problems) - 4} more" if len(problems) > 4 else "")
-        raise AssertionError(f"WRONG (rel err {worst:.2e}): {shown}")
+        raise AssertionError(f"WRONG (rel err {worst:.2e}): {shown}" + (f"; {graph_note}" if graphs else ""))
+    if graphs:
+        raise AssertionError(f"GRAPH: numbers exact, but {graph_note} (DESIGN 16)")
     return EXACT
 
 

@@ -196,6 +196,13 @@ def _beit():
     return tf.BeitForImageClassification(cfg)
 
 
+def _gpt2_checkpointed():
+    """GPT-2 with (non-reentrant) gradient checkpointing: the forward is recomputed inside the backward."""
+    model = tf.GPT2LMHeadModel(_gpt2_config(True))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def _pair(name: str, build, batches, loss_fn, normal, equal, refusable: str | None = None) -> dict[str, Case]:
     """The configuration with micro-batch != sequence length, and its ``-b-eq-t`` twin."""
     return {
@@ -261,6 +268,12 @@ def _configs() -> dict[str, Case]:
     images = [3, 2], [5, 5]  # 8x8 images, 4x4 patches: 4 patches + [CLS] = 5 positions
     out |= _pair("vit-cls", _vit, lambda s: _image_batches(s, 8), image_loss, *images)
     out |= _pair("beit-cls-relative-position-bias", _beit, lambda s: _image_batches(s, 8), image_loss, *images)
+    out["gpt2-tied-gradient-checkpointing"] = Case(
+        _gpt2_checkpointed,
+        _text_batches(text[0]),
+        causal_loss,
+        refusable="gradient checkpointing recomputes the forward in the backward (refusal is acceptable)",
+    )
     return out
 
 

@@ -156,6 +156,28 @@ class RawRoot(nn.Module):
         return torch.sin(x * self.scale) ** 2 + self.shift
 
 
+class HeadOutside(nn.Module):
+    """The loss calls ``model.head`` itself, after ``model(x)`` has returned (a head applied outside the forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(D, D)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        return torch.tanh(self.body(x))
+
+
+def _head_outside_loss(model, batch):
+    return probe_loss()(lambda x: model.head(model(x)), batch)
+
+
+def _pair_loss(model, batch):
+    """Two forwards of the root per step (siamese / chosen-rejected pairs), then one per-example loss."""
+    a, b = model(batch["x"]), model(batch["x"].flip(1))
+    return probe_loss()(lambda _: a * b + a, batch)
+
+
 def _lm_loss(model, batch):
     """Per-example token cross-entropy of predicting the next id (a language-model loss)."""
     x = batch["x"]
@@ -194,6 +216,15 @@ CONFIGS: dict[str, Case] = {
     # refused today, required by the issue
     "tuple-returning-module": layer_case(TupleOut, floats((4, 3, D), (3, 3, D))),
     "fallback-module-as-root": Case(build=RawRoot, batches=floats((4, 3, D), (3, 3, D)), loss_fn=probe_loss()),
+    # uses outside the one root forward the engine book-keeps
+    "submodule-called-after-root-forward": Case(
+        build=HeadOutside, batches=floats((4, 3, D), (3, 3, D)), loss_fn=_head_outside_loss
+    ),
+    "two-root-forwards-per-step": Case(
+        build=lambda: nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D)),
+        batches=floats((4, 3, D), (3, 3, D)),
+        loss_fn=_pair_loss,
+    ),
 }
 
 

@@ -17,6 +17,7 @@ Anything else (a crash inside torch or transformers) propagates.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import traceback
 from collections.abc import Callable, Sequence
@@ -69,7 +70,7 @@ def project(y: Tensor, batch_dim: int = 0) -> Tensor:
     y = y.movedim(batch_dim, 0)
     r1, r2, r3 = (projection(y.shape[1:], seed, y.dtype) for seed in (1, 2, 3))
     dims = tuple(range(1, y.dim()))
-    n = max(1, y[0].numel())
+    n = max(1, math.prod(y.shape[1:]))
     return (y * r1).sum(dims) + 0.5 * ((y * r2) ** 2).sum(dims) + 0.5 * (y * r3).sum(dims) ** 2 / n
 
 
@@ -89,9 +90,10 @@ class Reference:
     model: nn.Module
     batches: list[dict]
     names: list[str]
-    norms: list[Tensor]
+    norms: list[Tensor]  # one per non-empty micro-batch
     clipped_sum: dict[str, Tensor]
     max_grad_norm: float
+    sizes: list[int]  # examples per micro-batch (0: an empty micro-batch, which must change nothing)
 
 
 def reference(case: Case, seed: int = 0) -> Reference:
@@ -102,12 +104,16 @@ def reference(case: Case, seed: int = 0) -> Reference:
         torch.manual_seed(seed)
         model = case.build().double().train()
         batches = case.batches()
-        names, norms, clipped_sum, c = oracle_clipped(model, batches, case.loss_fn, None)
+        with torch.no_grad():
+            probe = copy.deepcopy(model)
+            sizes = [int(case.loss_fn(probe, batch).shape[0]) for batch in batches]
+        nonempty = [batch for batch, n in zip(batches, sizes, strict=True) if n > 0]
+        names, norms, clipped_sum, c = oracle_clipped(model, nonempty, case.loss_fn, None)
     finally:
         torch.set_default_dtype(previous)
     if not any(bool((n > c).any()) for n in norms):
         raise AssertionError("the configuration must clip some examples (all per-example norms are equal?)")
-    return Reference(model, batches, names, norms, clipped_sum, c)
+    return Reference(model, batches, names, norms, clipped_sum, c, sizes)
 
 
 def _rel(err: float, ref: float) -> float:
@@ -139,7 +145,10 @@ def run_case(case: Case, mode: str, *, ref: Reference | None = None, rel: float 
                     raise AssertionError(f"refused only at micro-batch {k}, after a step was taken: {err}") from err
                 clipper.remove()
                 return _refusal(err)
-            norms.append(clipper.per_example_norms.detach().clone())
+            got = clipper.per_example_norms
+            assert got is not None and got.shape == (ref.sizes[k],), f"per_example_norms has shape {got.shape}"
+            if ref.sizes[k] > 0:
+                norms.append(got.detach().clone())
         clipper.remove()
     finally:
         torch.set_default_dtype(previous)

@@ -18,6 +18,9 @@ _ROOT = "CRASH, required: a fallback module used as the root model (torch.func e
 _GRAPH = "GRAPH: numbers exact, but p.grad carries the autograd graph of the book-kept activations (DESIGN 16)"
 _TWICE = "WRONG: uses outside the one root forward the engine book-keeps are dropped or mis-summed"
 _CHECKPOINT = "CRASH (refusal would be fine): torch CheckpointError, recomputed tensors' metadata differ"
+_EMPTY_GHOST = (
+    "WRONG: ghost mode loses the sum accumulated so far at an empty micro-batch (p.grad cleared, not restored)"
+)
 _DOUBLE_HEADS = "CRASH (refusal would be fine): position ids expanded to B while the model runs on B * choices"
 
 KNOWN_GAPS: dict[str, str] = {
@@ -64,6 +67,8 @@ KNOWN_GAPS: dict[str, str] = {
     "tied-plain-embedding@bk": _GRAPH,
     "tied-plain-embedding@bk-mixopt": _GRAPH,
     # Opacus grad_samples spaces
+    "linear-empty-microbatch@ghost": _EMPTY_GHOST,
+    "conv2d-empty-microbatch@ghost": _EMPTY_GHOST,
     "linear-batch-second-coincide": _WRONG_BATCH_SECOND,
     "dpmha-batch-second-coincide": _WRONG_BATCH_SECOND,
     "embbag-offsets-sum": _EMBBAG,

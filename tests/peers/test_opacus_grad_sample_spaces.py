@@ -25,6 +25,7 @@ def _linear() -> dict[str, Case]:
         "linear-3d": layer_case(lambda: nn.Linear(6, 8), floats((4, 3, 6), (2, 3, 6))),
         "linear-3d-nobias": layer_case(lambda: nn.Linear(6, 8, bias=False), floats((4, 3, 6), (2, 3, 6))),
         "linear-4d": layer_case(lambda: nn.Linear(6, 8), floats((3, 2, 3, 6), (2, 2, 3, 6))),
+        "linear-empty-microbatch": layer_case(lambda: nn.Linear(6, 8), floats((4, 3, 6), (0, 3, 6), (3, 3, 6))),
         "linear-coincide": layer_case(lambda: nn.Linear(4, 4), floats((4, 4, 4), (4, 4, 4))),
         "linear-batch-second": layer_case(lambda: nn.Linear(6, 8), floats((3, 4, 6), (3, 2, 6)), batch_dim=1),
         "linear-batch-second-coincide": layer_case(lambda: nn.Linear(4, 5), floats((4, 4, 4), (4, 4, 4)), batch_dim=1),
@@ -64,6 +65,7 @@ def _conv() -> dict[str, Case]:
         "conv2d-replicate": layer_case(
             lambda: c2(3, 4, 3, padding=1, padding_mode="replicate"), floats((3, 3, 5, 5), (2, 3, 5, 5))
         ),
+        "conv2d-empty-microbatch": layer_case(lambda: c2(3, 4, 2), floats((3, 3, 5, 6), (0, 3, 5, 6), (2, 3, 5, 6))),
         "conv2d-coincide": layer_case(lambda: c2(4, 4, 1), floats((4, 4, 4, 4), (4, 4, 4, 4))),
         "conv3d-basic": layer_case(lambda: c3(2, 3, 2), floats((3, 2, 4, 4, 3), (2, 2, 4, 4, 3))),
         "conv3d-stride-pad-dil-groups": layer_case(
@@ -78,6 +80,7 @@ def _conv() -> dict[str, Case]:
 
 def _embedding() -> dict[str, Case]:
     return {
+        "embedding-1d": layer_case(lambda: nn.Embedding(11, 5), ids(11, (6,), (4,))),
         "embedding-2d": layer_case(lambda: nn.Embedding(11, 5), ids(11, (4, 6), (3, 6))),
         "embedding-3d": layer_case(lambda: nn.Embedding(11, 5), ids(11, (4, 3, 2), (3, 3, 2))),
         "embedding-4d": layer_case(lambda: nn.Embedding(11, 5), ids(11, (3, 3, 2, 2), (2, 3, 2, 2))),

@@ -4,7 +4,8 @@
 
 Each row: configuration, clipping mode, ``exact`` / ``refused(<message>)`` / ``WRONG(<rel err>)`` / ``CRASH(...)``,
 and whether that outcome is acceptable for the configuration. ``--gaps`` instead lists the differences from
-``known_gaps.KNOWN_GAPS`` (failing rows it lacks, entries whose rows now pass).
+``known_gaps.KNOWN_GAPS`` (failing rows it lacks, entries whose rows now pass); ``--summary`` prints one row per
+configuration.
 """
 
 from __future__ import annotations
@@ -53,6 +54,19 @@ def outcomes(filters: list[str]):
             print(f"# {config_id}: {time.perf_counter() - start:.2f}s", file=sys.stderr)
 
 
+def short(out: str) -> str:
+    """``exact`` / ``refused(<first words>)`` / ``WRONG(<rel err>)`` / ``GRAPH`` / ``CRASH(<type>)``."""
+    if out.startswith(REFUSED):
+        return f"refused({' '.join(out[len(REFUSED) :].split()[:12])} ...)"
+    if out.startswith("WRONG"):
+        return out[: out.index(")") + 1]
+    if out.startswith("GRAPH"):
+        return "GRAPH (exact numbers, p.grad has a graph)"
+    if out.startswith("CRASH"):
+        return out[: out.index(":")] + ")"
+    return out
+
+
 def acceptable(out: str, case) -> bool:
     return out == EXACT or (case.refusable is not None and out.startswith(REFUSED))
 
@@ -77,6 +91,16 @@ def main() -> None:
                 print(f"missing from KNOWN_GAPS: {key!r}: {out[:100]!r}")
             elif listed and not bad:
                 print(f"stale KNOWN_GAPS entry (now {out[:40]}): {tid if tid in KNOWN_GAPS else config_id!r}")
+        return
+    if "--summary" in args:  # one row per configuration, outcomes collapsed over modes
+        by_config: dict[tuple[str, str], list[tuple[str, str, bool]]] = {}
+        for module_name, config_id, mode, out, case in rows:
+            by_config.setdefault((module_name, config_id), []).append((mode, short(out), acceptable(out, case)))
+        for (module_name, config_id), results in by_config.items():
+            shown = {r for _, r, _ in results}
+            text = shown.pop() if len(shown) == 1 else ", ".join(f"{m}: {r}" for m, r, _ in results)
+            ok = "ok" if all(a for _, _, a in results) else "GAP"
+            print(f"| {module_name.removeprefix('test_')} | {config_id} | {text} | {ok} |")
         return
     for module_name, config_id, mode, out, case in rows:
         shown = f"refused({out[len(REFUSED) :][:150]})" if out.startswith(REFUSED) else out[:200]

@@ -22,6 +22,15 @@ class _ScaledNorms(BookKeepingClipper):
         return coef
 
 
+class _ZeroBias(BookKeepingClipper):
+    """An engine with exact norms whose clipped sum misses one parameter (a zero gradient, not ``None``)."""
+
+    def backward(self, per_example_loss):
+        coef = super().backward(per_example_loss)
+        self.model.layer.bias.grad.zero_()
+        return coef
+
+
 class _GraphInGrad(BookKeepingClipper):
     """An engine whose p.grad requires grad (exact numbers)."""
 
@@ -38,8 +47,14 @@ def test_exact_engine_is_exact():
 
 def test_wrong_norms_are_caught(monkeypatch):
     monkeypatch.setattr(harness, "BookKeepingClipper", _ScaledNorms)
-    with pytest.raises(AssertionError, match=r"WRONG \(rel err 1\.0\de-03\)"):
+    with pytest.raises(AssertionError, match=r"WRONG \(norms max rel err 1\.0e-03, clipped sum rel err \d"):
         run_case(LINEAR, "bk")
+
+
+def test_missing_clipped_sum_is_caught(monkeypatch):
+    monkeypatch.setattr(harness, "BookKeepingClipper", _ZeroBias)
+    with pytest.raises(AssertionError, match=r"WRONG \(norms max rel err .*layer\.bias: rel err 1\.0e\+00"):
+        run_case(LINEAR, "per-sample")
 
 
 def test_graph_in_grad_is_caught(monkeypatch):

@@ -27,13 +27,18 @@ def test_ghost_differentiation_computes_no_parameter_gradient_in_autograd():
 
 
 def test_one_backward_pass():
+    """One backward per micro-batch; the first batch of a plan adds two, to check that loss j depends on example j
+    alone (for the first and the last example)."""
     model = gpt2()
     clipper = BookKeepingClipper(model, max_grad_norm=1.0)
-    loss = causal_loss(model, causal_batches()[0])
-    calls = []
-    loss.grad_fn.register_hook(lambda *a: calls.append(1))
-    clipper.backward(loss)
-    assert calls == [1]
+    counts = []
+    for batch in causal_batches():
+        loss = causal_loss(model, batch)
+        calls = []
+        loss.grad_fn.register_hook(lambda *a, calls=calls: calls.append(1))
+        clipper.backward(loss)
+        counts.append(len(calls))
+    assert counts == [3, 1]
 
 
 def test_remove_restores_the_model():

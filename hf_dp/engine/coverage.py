@@ -1,14 +1,21 @@
-"""Which rule covers which trainable parameter; errors for what nothing covers."""
+"""Static coverage: which module's rule covers which trainable parameter, before any forward pass.
+
+Every module that owns a trainable parameter is hooked for it (closed-form rule, or the torch.func fallback for what
+its rule does not cover), so a weight tied between an ``nn.Linear`` and an embedding subclass is covered in both.
+This is the early check (BatchNorm, uncovered parameters); the engine then proves on the first batch that every
+use of every parameter is covered exactly once (:mod:`.planner`).
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
 
-from ..layers import FALLBACK_RULE, LayerRule, NeedsFallback, UnsupportedModuleError, find_rule
+from ..layers import FALLBACK_RULE, LayerRule, NeedsFallback, RuleMatch, UnsupportedModuleError, match_rule
 from ..layers.prefix import check_prefix_encoder
 
 logger = logging.getLogger(__name__)
@@ -19,12 +26,22 @@ __all__ = ["HookedModule", "plan_coverage", "trainable_parameters"]
 
 @dataclass(eq=False)
 class HookedModule:
-    """A module the engine hooks, its rule, and the trainable parameters the rule covers there."""
+    """A module the engine hooks, its rule, and the trainable parameters the rule covers there.
+
+    ``promoted`` holds the parameters this module covers for uses inside its forward by other modules (a functional
+    use, a table without a batch dimension): while it runs, no module inside it counts them (the outermost wins).
+    """
 
     name: str
     module: nn.Module
     rule: LayerRule
     params: list[nn.Parameter]
+    match: RuleMatch | None = None
+    promoted: frozenset = field(default_factory=frozenset)
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.rule.layout == "any"
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -32,7 +49,7 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _reject_batch_norm(model: nn.Module) -> None:
+def _reject_batch_statistics(model: nn.Module) -> None:
     for name, module in model.named_modules():
         if isinstance(module, _BatchNorm):
             raise UnsupportedModuleError(
@@ -40,41 +57,61 @@ def _reject_batch_norm(model: nn.Module) -> None:
                 "on the others in the batch, so no per-example gradient exists and DP-SGD cannot bound the "
                 "sensitivity. Replace it with GroupNorm or LayerNorm (Opacus `ModuleValidator.fix` does this)."
             )
+        if (
+            isinstance(module, _InstanceNorm)
+            and module.track_running_stats
+            and any(p.requires_grad for p in module.parameters())
+        ):
+            raise UnsupportedModuleError(
+                f"Module `{name}` ({type(module).__name__}) updates running statistics inside its forward pass, "
+                "which hf_dp would have to re-run per example. Set `track_running_stats=False` or freeze it."
+            )
 
 
 def plan_coverage(model: nn.Module, *, allow_fallback: bool = True) -> list[HookedModule]:
-    """Assign every trainable parameter of ``model`` to the module(s) whose rule computes its per-example gradient.
+    """Assign every trainable parameter of ``model`` to each module that owns it, with that module's rule.
 
     A parameter shared by several modules (tied weights) is covered by each of them; the engine adds the uses up
-    exactly. Raises :class:`UnsupportedModuleError` for BatchNorm and for a trainable parameter nothing covers.
+    exactly. A module whose rule does not cover all of its own trainable parameters gets the torch.func fallback
+    for the rest.
+
+    Args:
+        model (`nn.Module`): the model.
+        allow_fallback (`bool`, *optional*, defaults to `True`): use the fallback for parameters no rule covers.
+
+    Returns:
+        `list[HookedModule]`: the hooked modules, in ``named_modules`` order.
+
+    Raises:
+        UnsupportedModuleError: BatchNorm (or running statistics) in the model, an unsupported configuration of a
+            layer, or a trainable parameter nothing covers with ``allow_fallback=False``.
     """
-    _reject_batch_norm(model)
-    trainable = set(trainable_parameters(model))
+    _reject_batch_statistics(model)
+    trainable = {id(p) for p in trainable_parameters(model)}
     hooked: list[HookedModule] = []
-    covered: set[nn.Parameter] = set()
-    ruled_modules: set[nn.Module] = set()
     for name, module in model.named_modules():
         check_prefix_encoder(module, name)
-        rule = find_rule(module)
-        if rule is None:
-            continue
-        try:
-            rule.check(module, name)
-        except NeedsFallback as err:
-            logger.info("%s", err)
-            continue
-        ruled_modules.add(module)
-        params = [p for p in rule.parameters(module) if p in trainable]
-        if params:
-            hooked.append(HookedModule(name, module, rule, params))
-            covered.update(params)
-    for name, module in model.named_modules():
-        own = [p for p in module.parameters(recurse=False) if p in trainable and p not in covered]
+        match = match_rule(module)
+        covered: set[int] = set()
+        if match is not None:
+            try:
+                match.rule.check(module, name)
+            except NeedsFallback as err:
+                logger.info("%s", err)
+                match = None
+        if match is not None:
+            params = [p for p in match.rule.parameters(module) if id(p) in trainable]
+            covered = {id(p) for p in params}
+            own = [n for n, p in module.named_parameters(recurse=False) if id(p) in trainable and id(p) not in covered]
+            if own and not match.exact:  # a guessed rule that does not cover the module: the fallback takes it all
+                match, covered = None, set()
+            elif params:
+                hooked.append(HookedModule(name, module, match.rule, params, match))
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) in trainable and id(p) not in covered]
         if not own:
             continue
-        own_ids = {id(p) for p in own}
-        names = [n for n, p in module.named_parameters(recurse=False) if id(p) in own_ids]
-        if module in ruled_modules or not allow_fallback:
+        names = [n for n, _ in own]
+        if match is not None or not allow_fallback:
             raise UnsupportedModuleError(
                 f"Trainable parameter(s) {names} of module `{name}` ({type(module).__name__}) are not covered by any "
                 "layer rule. Freeze them (`requires_grad_(False)`), register a rule with "
@@ -89,9 +126,5 @@ def plan_coverage(model: nn.Module, *, allow_fallback: bool = True) -> list[Hook
                 name,
                 names,
             )
-        hooked.append(HookedModule(name, module, FALLBACK_RULE, own))
-        covered.update(own)
-    missing = trainable - covered
-    if missing:  # unreachable with the fallback on: every parameter has an owning module
-        raise UnsupportedModuleError(f"{len(missing)} trainable parameters are not covered by any rule.")
+        hooked.append(HookedModule(name, module, FALLBACK_RULE, [p for _, p in own]))
     return hooked

@@ -3,21 +3,35 @@
 Importing this package registers every built-in rule.
 """
 
-from . import conv, conv1d_hf, embedding, layernorm, linear, lora, prefix, rmsnorm  # noqa: F401  (registration)
-from .base import Captured, LayerRule, NeedsFallback, UnsupportedModuleError
+from . import conv, conv1d_hf, embedding, embedding_bag, layernorm, linear, lora, prefix, rmsnorm  # noqa: F401
+from .base import LAYOUT_KINDS, Captured, LayerRule, Layout, NeedsFallback, UnsupportedModuleError
 from .fallback import FALLBACK_RULE, FallbackRule
-from .registry import PREDICATE_RULES, RULES, find_rule, register_predicate_rule, register_rule
+from .registry import (
+    PREDICATE_RULES,
+    RULES,
+    RuleMatch,
+    find_rule,
+    match_rule,
+    register_predicate_rule,
+    register_rule,
+)
+from .scaled import ScaledRule
 
 __all__ = [
     "FALLBACK_RULE",
+    "LAYOUT_KINDS",
     "PREDICATE_RULES",
     "RULES",
     "Captured",
     "FallbackRule",
     "LayerRule",
+    "Layout",
     "NeedsFallback",
+    "RuleMatch",
+    "ScaledRule",
     "UnsupportedModuleError",
     "find_rule",
+    "match_rule",
     "register_predicate_rule",
     "register_rule",
 ]

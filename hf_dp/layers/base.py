@@ -7,9 +7,27 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..engine.per_example import PerExampleGrad, compute_dtype, norm_sq, weighted_sum
+from .grads import PerExampleGrad, compute_dtype, norm_sq, weighted_sum
 
-__all__ = ["Captured", "LayerRule", "NeedsFallback", "UnsupportedModuleError", "flatten_sequence"]
+__all__ = [
+    "LAYOUT_KINDS",
+    "Captured",
+    "Layout",
+    "LayerRule",
+    "NeedsFallback",
+    "UnsupportedModuleError",
+    "flatten_sequence",
+    "sum_positions",
+]
+
+#: How a rule's tensors carry the examples (``LayerRule.layout``).
+LAYOUT_KINDS: dict[str, str] = {
+    "positionwise": "the op acts on the last dimension(s) only: the examples may lie along any other dimension of "
+    "the input and output (the same one for both), possibly several rows per example",
+    "leading": "the examples lie along dimension 0 of the input and output (convolutions), possibly several rows each",
+    "output": "the rule maps its inputs to output rows itself (EmbeddingBag bags): only the output's rows are proven",
+    "any": "the torch.func fallback: every input and output tensor has its own proven layout",
+}
 
 
 class UnsupportedModuleError(ValueError):
@@ -20,13 +38,43 @@ class NeedsFallback(UnsupportedModuleError):
     """Raised by a rule's ``check`` for a configuration its closed form does not cover but torch.func does."""
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where the examples lie in one tensor of a call: along dimension ``dim``, whose size is ``k * B`` for ``B``
+    examples, example ``i`` owning the contiguous rows ``i*k .. i*k+k-1`` (``k = 1``: a plain batch dimension; OPT's
+    ``[B*T, d]``: ``k = T``). ``broadcast``: the tensor has size 1 along ``dim`` (= 0) and is the same for every
+    example (HF position ids ``[1, T]``); the engine expands it to the batch.
+    """
+
+    dim: int
+    broadcast: bool = False
+
+    def rows(self, t: Tensor, batch_size: int) -> int:
+        """``k`` for ``t`` (raises ``ValueError`` if ``t`` does not fit this layout for ``batch_size`` examples)."""
+        if self.broadcast:
+            if t.dim() <= self.dim or t.shape[self.dim] != 1:
+                raise ValueError(f"shape {tuple(t.shape)} is not a size-1 broadcast along dimension {self.dim}")
+            return 1
+        if t.dim() <= self.dim or batch_size <= 0 or t.shape[self.dim] % batch_size:
+            raise ValueError(
+                f"shape {tuple(t.shape)} has no dimension {self.dim} that is a multiple of the batch ({batch_size})"
+            )
+        return t.shape[self.dim] // batch_size
+
+
 @dataclass
 class Captured:
-    """What the forward hook kept of one call of a module (book-keeping: references, never copies)."""
+    """What the forward hook kept of one call of a module (book-keeping: references, never copies).
+
+    ``layouts`` and ``batch_size`` are filled in by the engine for rules whose ``layout`` is ``"any"`` (the
+    fallback): the proven layout of every input and output tensor, and the number of examples.
+    """
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
-    output: Tensor | None = None
+    output: Any = None
+    layouts: Any = None
+    batch_size: int | None = None
 
 
 class LayerRule:
@@ -40,8 +88,13 @@ class LayerRule:
     param_names: tuple[str, ...] = ("weight", "bias")
     #: Whether the rule needs the call's keyword arguments and output (the fallback does; the others do not).
     needs_kwargs: bool = False
-    #: Whether the module is a pure lookup of integer ids, so that a ``[1, T]`` input (HF position ids) can be
-    #: expanded to the batch without changing the result.
+    #: Where the examples may lie in the tensors the rule reads (a key of :data:`LAYOUT_KINDS`). The engine proves
+    #: the layout of every call (which dimension carries the examples, how many rows each) and hands the rule
+    #: tensors whose dimension 0 holds whole rows of examples, rows of one example contiguous; it then folds the
+    #: rule's row gradients into per-example ones (:func:`hf_dp.layers.grads.fold`).
+    layout: str = "positionwise"
+    #: Unused since the engine proves and expands broadcast (size-1) batch dimensions itself; kept for rules that
+    #: set it.
     expands_batch_one: bool = False
 
     def check(self, module: nn.Module, name: str) -> None:
@@ -52,7 +105,11 @@ class LayerRule:
         return [p for n, p in module.named_parameters(recurse=False) if n in self.param_names and p is not None]
 
     def capture(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Captured:
-        """Keep what :meth:`per_example_grads` needs (by default the first positional input)."""
+        """Keep what :meth:`per_example_grads` needs (by default the first positional input).
+
+        For ``"positionwise"`` and ``"leading"`` rules the engine rearranges ``args[0]`` of the returned object to
+        the rows of the proven layout before calling :meth:`per_example_grads`.
+        """
         return Captured(args=args[:1])
 
     def per_example_grads(

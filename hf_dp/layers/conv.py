@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..engine.per_example import FactoredGrad, InstantiatedGrad, PerExampleGrad
 from .base import Captured, LayerRule, NeedsFallback
+from .grads import FactoredGrad, InstantiatedGrad, PerExampleGrad
 from .registry import register_rule
 
 
@@ -40,6 +40,8 @@ def _patches(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
 
 @register_rule(nn.Conv1d, nn.Conv2d)
 class ConvRule(LayerRule):
+    layout = "leading"
+
     def check(self, module: nn.Module, name: str) -> None:
         if module.groups != 1 or module.padding_mode != "zeros":
             raise NeedsFallback(

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..engine.per_example import FactoredGrad, IndexFactor, PerExampleGrad
 from .base import Captured, LayerRule, UnsupportedModuleError, flatten_sequence
+from .grads import FactoredGrad, IndexFactor, PerExampleGrad
 from .registry import register_rule
 
 
@@ -31,7 +31,6 @@ def one_hot_ids(ids: Tensor, num_rows: int, padding_idx: int | None) -> IndexFac
 @register_rule(nn.Embedding)
 class EmbeddingRule(LayerRule):
     param_names = ("weight",)
-    expands_batch_one = True
 
     def check(self, module: nn.Embedding, name: str) -> None:
         if module.max_norm is not None:

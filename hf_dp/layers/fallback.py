@@ -1,63 +1,168 @@
-"""Generic rule for any module that directly owns trainable parameters and has no closed-form rule.
+"""Generic rule for any module with trainable parameters and no closed-form rule (compare Opacus ``functorch.py``).
 
-Per-example gradients come from ``torch.func``: ``vmap`` over the batch of ``grad`` of ``<f(params, x_i), g_i>``,
-with ``f`` the module's own forward (``functional_call``) on a batch of one (compare Opacus ``functorch.py``).
-This instantiates ``[B, *param.shape]`` and re-runs the module's forward once, so it is exact but slower than a
-closed-form rule; the engine says once per module type when it uses it.
+Per-example gradients come from re-running the module's own forward on each example alone:
+``G_i = d/dtheta sum_j <y_j(theta; x_i), g_{i,j}>`` over the module's tensor outputs ``y_j`` with their output
+gradients ``g_{i,j}`` (``torch.func.vmap`` of ``torch.func.grad`` over ``functional_call``; a plain loop of autograd
+calls where ``vmap`` cannot run the module). This instantiates ``[B, *param.shape]`` and re-runs the forward once,
+so it is exact but slower than a closed-form rule.
+
+Any module works: several inputs, keyword arguments, tuple or ``ModelOutput`` outputs (non-tensor parts pass
+through; only floating-point outputs that received a gradient count), the root model itself, and parameters of
+submodules (a module the engine made responsible for parameters used inside its forward). The engine proves, for
+every input and output tensor, which dimension carries the examples (:class:`~hf_dp.layers.base.Layout`); inputs
+without one (masks, position ids shared by every example) are passed whole to every example.
+
+Exact only if the re-run computes what the original forward did: the engine refuses modules that draw random
+numbers (dropout with ``p > 0`` in training) inside a fallback, and this rule refuses a module that changes its
+buffers when run (running statistics).
 """
 
 from __future__ import annotations
+
+import logging
+import weakref
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..engine.per_example import InstantiatedGrad, PerExampleGrad
-from .base import Captured, LayerRule, UnsupportedModuleError
+from .base import Captured, LayerRule, Layout, UnsupportedModuleError
+from .grads import InstantiatedGrad, PerExampleGrad
+
+__all__ = ["FALLBACK_RULE", "FallbackRule"]
+
+logger = logging.getLogger(__name__)
+_LOOP_MODULES: weakref.WeakSet = weakref.WeakSet()  # modules vmap could not run: use the loop
+
+
+class _Inputs:
+    """The module's call split into per-example tensors (batched leaves) and the rest."""
+
+    def __init__(self, captured: Captured, in_layouts: list, batch_size: int) -> None:
+        self.leaves, self.spec = tree_flatten((tuple(captured.args), dict(captured.kwargs)))
+        self.layouts = in_layouts
+        self.batch_size = batch_size
+        self.batched: list[Tensor] = []  # [..., B, k, ...] along each leaf's dim
+        self.dims: list[int] = []
+        for leaf, layout in zip(self.leaves, in_layouts, strict=True):
+            if isinstance(leaf, Tensor) and layout is not None and not layout.broadcast:
+                k = layout.rows(leaf, batch_size)
+                self.batched.append(leaf.unflatten(layout.dim, (batch_size, k)))
+                self.dims.append(layout.dim)
+
+    def rebuild(self, per_example: list[Tensor]):
+        it = iter(per_example)
+        rebuilt = [
+            next(it) if isinstance(leaf, Tensor) and lay is not None and not lay.broadcast else leaf
+            for leaf, lay in zip(self.leaves, self.layouts, strict=True)
+        ]
+        return tree_unflatten(rebuilt, self.spec)
 
 
 class FallbackRule(LayerRule):
     needs_kwargs = True
+    layout = "any"
 
     def parameters(self, module: nn.Module) -> list[nn.Parameter]:
-        return [p for p in module.parameters(recurse=False)]
+        return list(module.parameters(recurse=False))
 
     def capture(self, module: nn.Module, args: tuple, kwargs: dict, output) -> Captured:
-        return Captured(args=args, kwargs=dict(kwargs))
+        return Captured(args=tuple(args), kwargs=dict(kwargs))
 
     def per_example_grads(
-        self, module: nn.Module, captured: Captured, grad_output: Tensor, trainable: set[nn.Parameter]
+        self, module: nn.Module, captured: Captured, grad_output, trainable: set[nn.Parameter]
     ) -> dict[nn.Parameter, PerExampleGrad]:
-        own = {name: p for name, p in module.named_parameters(recurse=False) if p in trainable}
-        if not own:
+        """Per-example gradients of the ``trainable`` parameters of ``module`` and its submodules for one call.
+
+        ``grad_output`` is one tensor, or a list aligned with the flattened outputs (``None`` where an output got no
+        gradient). Without ``captured.layouts`` the examples are taken along dimension 0 of every tensor whose first
+        size is the batch (the batch being the first dimension of the output gradient).
+        """
+        named = {name: p for name, p in module.named_parameters() if p in trainable}
+        if not named:
             return {}
-        batch_size = grad_output.shape[0]
-        leaves, spec = tree_flatten((captured.args, captured.kwargs))
-        is_batched = [isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == batch_size for x in leaves]
-        batched_leaves = [x for x, b in zip(leaves, is_batched, strict=True) if b]
-        if not batched_leaves:
-            raise UnsupportedModuleError(
-                f"{type(module).__name__}: no input has the batch dimension {batch_size}, so its per-example "
-                "gradient is undefined. Pass inputs with a leading batch dimension."
-            )
-        params = {name: p.detach() for name, p in own.items()}
+        grads = list(grad_output) if isinstance(grad_output, list | tuple) else [grad_output]
+        if captured.layouts is None:
+            batch_size = next(g for g in grads if g is not None).shape[0]
+            leaves, _ = tree_flatten((tuple(captured.args), dict(captured.kwargs)))
+            in_layouts = [
+                Layout(0) if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == batch_size else None
+                for x in leaves
+            ]
+            out_layouts = [Layout(0)] * len(grads)
+        else:
+            in_layouts, out_layouts = captured.layouts
+            batch_size = captured.batch_size
+        inputs = _Inputs(captured, in_layouts, batch_size)
+        used = [(j, g, out_layouts[j]) for j, g in enumerate(grads) if g is not None]
+        if not used:
+            return {}
+        out_grads = [g.unflatten(lay.dim, (batch_size, lay.rows(g, batch_size))) for _, g, lay in used]
+        out_dims = [lay.dim for _, _, lay in used]
+        positions = [j for j, _, _ in used]
+        params = {name: p.detach() for name, p in named.items()}
 
-        def example_loss(params: dict[str, Tensor], example_leaves: list[Tensor], g: Tensor) -> Tensor:
-            it = iter(example_leaves)
-            rebuilt = [next(it).unsqueeze(0) if b else x for x, b in zip(leaves, is_batched, strict=True)]
-            args, kwargs = tree_unflatten(rebuilt, spec)
-            out = torch.func.functional_call(module, params, args, kwargs)
-            if not isinstance(out, Tensor):
+        def objective(params: dict[str, Tensor], example_inputs: list[Tensor], example_grads: list[Tensor]) -> Tensor:
+            args, kwargs = inputs.rebuild(example_inputs)
+            out = torch.func.functional_call(module, params, tuple(args), kwargs)
+            out_leaves, _ = tree_flatten(out)
+            if len(out_leaves) != len(out_layouts):
                 raise UnsupportedModuleError(
-                    f"{type(module).__name__} returns {type(out).__name__}; the torch.func fallback needs a module "
-                    "that returns one tensor. Register a rule for it with `hf_dp.layers.register_rule`."
+                    f"{type(module).__name__} returned {len(out_leaves)} outputs for one example but "
+                    f"{len(out_layouts)} for the batch; the torch.func fallback cannot match them."
                 )
-            return (out * g.unsqueeze(0).to(out.dtype)).sum()
+            total = None
+            for j, g in zip(positions, example_grads, strict=True):
+                term = (out_leaves[j] * g.to(out_leaves[j].dtype)).sum()
+                total = term if total is None else total + term
+            return total
 
-        per_example = torch.func.vmap(torch.func.grad(example_loss), in_dims=(None, 0, 0))(
-            params, batched_leaves, grad_output
-        )
-        return {own[name]: InstantiatedGrad(value) for name, value in per_example.items()}
+        versions = [b._version for b in module.buffers()]
+        try:
+            per_example = None
+            if module not in _LOOP_MODULES:
+                try:
+                    per_example = torch.func.vmap(
+                        torch.func.grad(objective), in_dims=(None, inputs.dims, out_dims), randomness="error"
+                    )(params, inputs.batched, out_grads)
+                except UnsupportedModuleError:
+                    raise
+                except Exception as err:  # noqa: BLE001  (vmap cannot run every module: fall back to a loop)
+                    if "random" in str(err).lower():
+                        raise UnsupportedModuleError(
+                            f"{type(module).__name__} draws random numbers in its forward pass (e.g. dropout with "
+                            "p > 0); the torch.func fallback re-runs the forward per example and cannot reproduce "
+                            "them. Set its dropout probabilities to 0 or freeze its parameters."
+                        ) from err
+                    logger.info("hf_dp: vmap cannot run %s (%s); using a per-example loop", type(module).__name__, err)
+                    _LOOP_MODULES.add(module)
+            if per_example is None:
+                per_example = self._loop(objective, params, inputs, out_grads, out_dims, batch_size)
+        finally:
+            if versions != [b._version for b in module.buffers()]:
+                raise UnsupportedModuleError(
+                    f"{type(module).__name__} changed its buffers in its forward pass (e.g. running statistics); "
+                    "re-running it for per-example gradients would change them again. Freeze its parameters or "
+                    "turn the buffer updates off (`track_running_stats=False`)."
+                )
+        return {named[name]: InstantiatedGrad(value.detach()) for name, value in per_example.items()}
+
+    @staticmethod
+    def _loop(objective, params, inputs: _Inputs, out_grads, out_dims, batch_size: int) -> dict[str, Tensor]:
+        rows: dict[str, list[Tensor]] = {name: [] for name in params}
+        for i in range(batch_size):
+            example_inputs = [x.select(d, i) for x, d in zip(inputs.batched, inputs.dims, strict=True)]
+            example_grads = [g.select(d, i) for g, d in zip(out_grads, out_dims, strict=True)]
+            with torch.enable_grad():
+                leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
+                total = objective(leaves, example_inputs, example_grads)
+                if total.requires_grad:
+                    got = torch.autograd.grad(total, list(leaves.values()), allow_unused=True)
+                else:
+                    got = [None] * len(leaves)
+            for (name, p), g in zip(leaves.items(), got, strict=True):
+                rows[name].append(torch.zeros_like(p) if g is None else g)
+        return {name: torch.stack(values) for name, values in rows.items()}
 
 
 FALLBACK_RULE = FallbackRule()

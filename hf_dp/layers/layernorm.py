@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..engine.per_example import InstantiatedGrad, PerExampleGrad, compute_dtype
 from .base import Captured, LayerRule, sum_positions
+from .grads import InstantiatedGrad, PerExampleGrad, compute_dtype
 from .registry import register_rule
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..engine.per_example import FactoredGrad, InstantiatedGrad, PerExampleGrad
 from .base import Captured, LayerRule, flatten_sequence
+from .grads import FactoredGrad, InstantiatedGrad, PerExampleGrad
 from .registry import register_rule
 
 

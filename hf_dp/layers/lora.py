@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..engine.per_example import FactoredGrad, PerExampleGrad
 from .base import Captured, LayerRule, UnsupportedModuleError, flatten_sequence
 from .embedding import one_hot_ids
+from .grads import FactoredGrad, PerExampleGrad
 from .registry import register_rule
 
 try:
@@ -33,8 +33,6 @@ if LoraEmbedding is not None:
 
     @register_rule(LoraEmbedding)
     class LoraEmbeddingRule(LayerRule):
-        expands_batch_one = True
-
         def parameters(self, module: nn.Module) -> list[nn.Parameter]:
             return [p for d in (module.lora_embedding_A, module.lora_embedding_B) for p in d.values()]
 

@@ -1,14 +1,24 @@
-"""The layer-rule registry: exact module types, then named predicates, then the torch.func fallback."""
+"""The layer-rule registry: exact module types, then named predicates, then registered base classes, then the
+torch.func fallback."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from torch import nn
 
 from .base import LayerRule
 
-__all__ = ["RULES", "PREDICATE_RULES", "find_rule", "register_predicate_rule", "register_rule"]
+__all__ = [
+    "PREDICATE_RULES",
+    "RULES",
+    "RuleMatch",
+    "find_rule",
+    "match_rule",
+    "register_predicate_rule",
+    "register_rule",
+]
 
 #: Exact module type -> rule instance.
 RULES: dict[type, LayerRule] = {}
@@ -52,12 +62,39 @@ def register_predicate_rule(name: str, predicate: Callable[[nn.Module], bool], o
     return wrap
 
 
-def find_rule(module: nn.Module) -> LayerRule | None:
-    """The rule for ``module`` by exact type, then by predicate; ``None`` if neither matches."""
+@dataclass(frozen=True)
+class RuleMatch:
+    """How a rule was found for a module.
+
+    ``exact`` is true when the rule was registered for the module's own type and the instance keeps its class's
+    ``forward``: the rule is then asserted to hold, and a numerical disagreement with autograd is an error. Otherwise
+    (a predicate such as a class name, or a registered base class of a subclass) the rule is a guess that the engine
+    verifies on the first batch; a subclass whose ``forward`` differs from ``base``'s is tried as ``base``'s output
+    times a constant, and goes to the fallback if that does not hold.
+    """
+
+    rule: LayerRule
+    exact: bool
+    base: type | None = None  # the registered base class, for a subclass
+
+
+def match_rule(module: nn.Module) -> RuleMatch | None:
+    """The rule for ``module``: exact type, then predicates, then the nearest registered base class; else ``None``."""
+    own_forward = "forward" in vars(module)
     rule = RULES.get(type(module))
     if rule is not None:
-        return rule
+        return RuleMatch(rule, exact=not own_forward)
     for predicate, predicate_rule in PREDICATE_RULES.values():
         if predicate(module):
-            return predicate_rule
+            return RuleMatch(predicate_rule, exact=False)
+    for base in type(module).__mro__[1:]:
+        rule = RULES.get(base)
+        if rule is not None:
+            return RuleMatch(rule, exact=False, base=base)
     return None
+
+
+def find_rule(module: nn.Module) -> LayerRule | None:
+    """The rule for ``module`` (see :func:`match_rule`); ``None`` if nothing matches."""
+    match = match_rule(module)
+    return None if match is None else match.rule

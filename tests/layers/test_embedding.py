@@ -67,17 +67,35 @@ def test_batch_one_position_ids_are_expanded(float64):
     check_clipper(PosNet(), [{"input_ids": ids}], pos_loss, mode="bk")
 
 
-def test_batch_dimension_mismatch_raises(float64):
-    class Broadcast(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(3, 3)
+class Broadcast(nn.Module):
+    """A layer applied to a ``[1, T, d]`` activation shared by the batch, then broadcast against it."""
 
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return x * self.fc(torch.ones(1, x.shape[1], 3))
+
+
+@pytest.mark.parametrize("mode", ["bk", "bk-mixopt", "ghost"])
+def test_shared_activation_is_expanded_exactly(float64, mode):
+    """A [1, T, d] output proven equal for every example is expanded to the batch: its gradient is per example."""
+    torch.manual_seed(0)
+    clipper = check_clipper(
+        Broadcast(), [{"x": torch.randn(4, 5, 3)}], lambda m, b: (m(b["x"]) ** 2).sum((1, 2)), mode=mode
+    )
+    assert clipper.rules_used["fc"] == "LinearRule"
+
+
+def test_shared_activation_reduced_over_batch_is_refused(float64):
+    """A [1, T, d] output whose use is not a broadcast over the batch cannot be expanded: refused, not guessed."""
+
+    class Reduced(Broadcast):
         def forward(self, x):
-            return x + self.fc(torch.ones(1, x.shape[1], 3))  # a [1, T, d] activation shared by the batch
+            return x + self.fc(torch.ones(1, x.shape[1], 3)).sum(0)  # sums over its size-1 dimension
 
-    net = Broadcast().double()
+    net = Reduced().double()
     clipper = BookKeepingClipper(net, max_grad_norm=1.0)
-    out = net(torch.randn(4, 5, 3))
-    with pytest.raises(ValueError, match="per-example batch"):
-        clipper.backward((out**2).sum((1, 2)))
+    with pytest.raises(UnsupportedModuleError, match="fc"):
+        clipper.backward((net(torch.randn(4, 5, 3)) ** 2).sum((1, 2)))

@@ -1,0 +1,60 @@
+"""From a proven layout to the rows a rule reads, and back to per-example gradients.
+
+A closed-form rule sees its input and output gradient with the example rows along dimension 0 (moved there from
+wherever the layout says they are; a broadcast ``[1, ...]`` tensor expanded to the batch); its per-row gradients are
+then folded into per-example ones (:func:`hf_dp.layers.grads.fold`). The same layout tells which rows of an output
+gradient belong to example ``j``, which is how the engine checks that loss ``j`` depends on example ``j`` alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor, nn
+
+from ..layers import Captured, LayerRule, Layout
+from ..layers.grads import PerExampleGrad, fold
+
+__all__ = ["closed_form_grads", "foreign_rows", "grad_layout", "to_rows"]
+
+
+def to_rows(t: Tensor, layout: Layout, batch_size: int) -> Tensor:
+    """``t`` with the rows of the examples along dimension 0 (``k * batch_size`` of them, example-contiguous)."""
+    if layout.broadcast:
+        return t.expand(batch_size, *t.shape[1:])
+    return t if layout.dim == 0 else t.movedim(layout.dim, 0)
+
+
+def grad_layout(layout: Layout) -> Layout:
+    """The layout of the gradient of an output with ``layout`` (a broadcast output is expanded before use)."""
+    return Layout(0) if layout.broadcast else layout
+
+
+def closed_form_grads(
+    rule: LayerRule,
+    module: nn.Module,
+    captured: Captured,
+    grad_output: Tensor,
+    layout: Layout,
+    batch_size: int,
+    trainable: set[nn.Parameter],
+) -> dict[nn.Parameter, PerExampleGrad]:
+    """Per-example gradients of one call of a module with a closed-form rule, whose output has ``layout``."""
+    if rule.layout in ("positionwise", "leading") and captured.args:
+        captured = replace(captured, args=(to_rows(captured.args[0], layout, batch_size), *captured.args[1:]))
+    g = to_rows(grad_output, grad_layout(layout), batch_size)
+    grads = rule.per_example_grads(module, captured, g, trainable)
+    return {p: fold(value, batch_size) for p, value in grads.items()}
+
+
+def foreign_rows(grad: Tensor, layout: Layout, batch_size: int, example: int) -> bool:
+    """Whether ``grad`` (the gradient of loss ``example`` alone) is non-zero in rows of other examples.
+
+    Non-finite entries are ignored: ``0 * inf`` is NaN in a backward pass through an example whose activations
+    overflowed, which says nothing about coupling (and such an example gets weight 0 anyway).
+    """
+    g = to_rows(grad, grad_layout(layout), batch_size)
+    k = g.shape[0] // batch_size
+    others = torch.cat([g[: example * k].reshape(-1), g[(example + 1) * k :].reshape(-1)])
+    return bool(((others != 0) & torch.isfinite(others)).any())

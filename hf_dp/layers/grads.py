@@ -1,0 +1,272 @@
+"""Per-example gradients in the two forms book-keeping works with, and their algebra.
+
+A rule describes the gradient of one parameter for each example ``i`` of a batch either as
+
+* :class:`FactoredGrad`: ``G_i = sum_t L_{i,t} R_{i,t}^T`` (a sum of outer products over the ``T`` positions of a
+  sequence layer; ``L`` are the row factors, ``R`` the column factors), never formed unless asked; or
+* :class:`InstantiatedGrad`: ``G_i`` itself, a tensor ``[B, *param.shape]``.
+
+A factor is either dense, ``[B, T, n]``, or an :class:`IndexFactor` (one-hot rows given by integer ids, as for an
+embedding table; id ``-1`` marks a position that contributes nothing, e.g. ``padding_idx``).
+
+The ghost-norm identity (Li et al. 2022, eq. 3; Bu et al. 2023):
+``<G_i, H_i> = sum_{t,s} (L_t . L'_s)(R_t . R'_s)``, so ``||G_i||^2`` costs ``O(T^2 (r + c))`` instead of ``O(r c)``.
+With one-hot factors the first Gram matrix is ``[id_t == id'_s]``, which merges repeated token ids exactly.
+
+Rules and the engine both read this module (it imports nothing from either).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "FactoredGrad",
+    "IndexFactor",
+    "InstantiatedGrad",
+    "PerExampleGrad",
+    "compute_dtype",
+    "fold",
+    "inner",
+    "instantiate",
+    "merge",
+    "norm_sq",
+    "weighted_sum",
+]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype for norms and coefficients: at least float32; float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+@dataclass
+class IndexFactor:
+    """One-hot factor: position ``t`` of example ``i`` is the unit vector ``e_{index[i, t]}`` of length ``size``."""
+
+    index: Tensor  # [B, T] long, -1 = no contribution
+    size: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.index.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.index.shape[1]
+
+
+Factor = Tensor | IndexFactor
+
+
+def _size(f: Factor) -> int:
+    return f.size if isinstance(f, IndexFactor) else f.shape[-1]
+
+
+def _length(f: Factor) -> int:
+    return f.length if isinstance(f, IndexFactor) else f.shape[1]
+
+
+@dataclass
+class FactoredGrad:
+    """``G_i = sum_t left[i, t] right[i, t]^T``, reshaped to ``shape``."""
+
+    left: Factor
+    right: Factor
+    shape: torch.Size
+
+    @property
+    def rows(self) -> int:
+        return _size(self.left)
+
+    @property
+    def cols(self) -> int:
+        return _size(self.right)
+
+    @property
+    def length(self) -> int:
+        return _length(self.left)
+
+    def prefers_instantiation(self) -> bool:
+        """BK-MixOpt rule (Bu et al. 2023, sec. 3.3): ghost norm costs ~2T^2 per example, instantiation r*c."""
+        if isinstance(self.left, IndexFactor) or isinstance(self.right, IndexFactor):
+            # An embedding table is instantiated only when it is tiny next to T^2.
+            return 2 * self.length**2 > 4 * self.rows * self.cols
+        return 2 * self.length**2 > self.rows * self.cols
+
+
+@dataclass
+class InstantiatedGrad:
+    """Per-example gradients ``[B, *param.shape]``."""
+
+    value: Tensor
+
+
+PerExampleGrad = FactoredGrad | InstantiatedGrad
+
+
+def _gram(f1: Factor, f2: Factor, dtype: torch.dtype) -> Tensor:
+    """``[B, T1, T2]`` inner products between the positions of two factors of the same size."""
+    if isinstance(f1, IndexFactor) and isinstance(f2, IndexFactor):
+        eq = f1.index.unsqueeze(2) == f2.index.unsqueeze(1)
+        valid = (f1.index >= 0).unsqueeze(2) & (f2.index >= 0).unsqueeze(1)
+        return (eq & valid).to(dtype)
+    if isinstance(f1, IndexFactor):
+        return _gram(f2, f1, dtype).transpose(1, 2)
+    if isinstance(f2, IndexFactor):
+        # (f1_t . e_{id_s}) = f1[t, id_s]
+        idx = f2.index.clamp_min(0)
+        gathered = torch.gather(f1.to(dtype), 2, idx.unsqueeze(1).expand(-1, f1.shape[1], -1))
+        return gathered * (f2.index >= 0).unsqueeze(1).to(dtype)
+    return torch.bmm(f1.to(dtype), f2.to(dtype).transpose(1, 2))
+
+
+def _densify_pair(left: Factor, right: Factor, dtype: torch.dtype) -> Tensor:
+    """``[B, r, c]`` = sum_t left_t right_t^T."""
+    if isinstance(left, IndexFactor) and isinstance(right, IndexFactor):
+        raise ValueError("a factored gradient cannot have two one-hot factors")
+    if isinstance(right, IndexFactor):
+        return _densify_pair(right, left, dtype).transpose(1, 2)
+    right = right.to(dtype)
+    if isinstance(left, IndexFactor):
+        valid = (left.index >= 0).unsqueeze(-1).to(dtype)
+        out = right.new_zeros(right.shape[0], left.size, right.shape[2])
+        idx = left.index.clamp_min(0).unsqueeze(-1).expand(-1, -1, right.shape[2])
+        return out.scatter_add_(1, idx, right * valid)
+    return torch.bmm(left.to(dtype).transpose(1, 2), right)
+
+
+def instantiate(grad: PerExampleGrad, dtype: torch.dtype) -> InstantiatedGrad:
+    """Form the per-example gradients ``[B, *shape]`` of a factored gradient."""
+    if isinstance(grad, InstantiatedGrad):
+        return grad
+    dense = _densify_pair(grad.left, grad.right, dtype)
+    return InstantiatedGrad(dense.reshape(dense.shape[0], *grad.shape))
+
+
+def norm_sq(grad: PerExampleGrad, dtype: torch.dtype) -> Tensor:
+    """``[B]`` squared Frobenius norms, in ``dtype`` (clamped at 0: the ghost products can round below it)."""
+    if isinstance(grad, InstantiatedGrad):
+        v = grad.value.to(dtype)
+        return v.reshape(v.shape[0], -1).pow(2).sum(1)
+    prod = _gram(grad.left, grad.left, dtype) * _gram(grad.right, grad.right, dtype)
+    return prod.sum((1, 2)).clamp_min(0)
+
+
+def inner(a: PerExampleGrad, b: PerExampleGrad, dtype: torch.dtype) -> Tensor:
+    """``[B]`` inner products ``<a_i, b_i>`` of two per-example gradients of the same parameter (cross terms)."""
+    if isinstance(a, FactoredGrad) and isinstance(b, FactoredGrad):
+        return (_gram(a.left, b.left, dtype) * _gram(a.right, b.right, dtype)).sum((1, 2))
+    va = instantiate(a, dtype).value.to(dtype)
+    vb = instantiate(b, dtype).value.to(dtype)
+    return (va.reshape(va.shape[0], -1) * vb.reshape(vb.shape[0], -1)).sum(1)
+
+
+def _scale(f: Factor, coef: Tensor, keep: Tensor | None) -> Factor:
+    if isinstance(f, IndexFactor):
+        return f
+    return _mask(f * coef.to(f.dtype).view(-1, 1, 1), keep)
+
+
+def _mask(f: Factor, keep: Tensor | None) -> Factor:
+    """Zero the examples not in ``keep`` (non-finite gradients: ``inf * 0`` would still be nan)."""
+    if keep is None or isinstance(f, IndexFactor):
+        return f
+    shape = (-1,) + (1,) * (f.dim() - 1)
+    return torch.where(keep.view(shape), f, torch.zeros((), dtype=f.dtype, device=f.device))
+
+
+def weighted_sum(grad: PerExampleGrad, coef: Tensor, dtype: torch.dtype, keep: Tensor | None = None) -> Tensor:
+    """``sum_i coef_i G_i`` with the parameter's shape (book-keeping: one matmul over ``B*T`` rows).
+
+    ``keep`` (``[B]`` bool, optional) marks the examples to include; pass it when some gradients are not finite.
+    """
+    if isinstance(grad, InstantiatedGrad):
+        v = _mask(grad.value.to(dtype), keep)
+        return torch.tensordot(coef.to(dtype), v, dims=1)
+    left, right = _mask(grad.left, keep), grad.right
+    if isinstance(left, IndexFactor) or not isinstance(right, IndexFactor):
+        right = _scale(right, coef, keep)
+    else:
+        left = _scale(left, coef, keep)
+    if isinstance(left, IndexFactor):
+        flat_right = right.to(dtype).reshape(-1, right.shape[-1])
+        idx = left.index.reshape(-1)
+        valid = idx >= 0
+        out = flat_right.new_zeros(left.size, flat_right.shape[1])
+        out.index_add_(0, idx[valid], flat_right[valid])
+        return out.reshape(grad.shape)
+    if isinstance(right, IndexFactor):
+        flat_left = left.to(dtype).reshape(-1, left.shape[-1])
+        idx = right.index.reshape(-1)
+        valid = idx >= 0
+        out = flat_left.new_zeros(right.size, flat_left.shape[1])
+        out.index_add_(0, idx[valid], flat_left[valid])
+        return out.t().reshape(grad.shape)
+    flat_left = left.reshape(-1, left.shape[-1])
+    flat_right = right.reshape(-1, right.shape[-1])
+    common = torch.promote_types(flat_left.dtype, flat_right.dtype)
+    return (flat_left.to(common).t() @ flat_right.to(common)).to(dtype).reshape(grad.shape)
+
+
+def _fold_factor(f: Factor, batch_size: int) -> Factor:
+    if isinstance(f, IndexFactor):
+        return IndexFactor(f.index.reshape(batch_size, -1), f.size)
+    return f.reshape(batch_size, -1, f.shape[-1])
+
+
+def fold(grad: PerExampleGrad, batch_size: int) -> PerExampleGrad:
+    """Fold ``N = k * batch_size`` row-gradients into per-example ones, rows ``i*k .. i*k+k-1`` being example ``i``.
+
+    A flattened layout (OPT's ``[B*T, d]``, several images per example) gives a rule ``k`` rows per example; the
+    gradient of example ``i`` is the sum over its rows, which for a factored gradient is a concatenation of the
+    rows' positions: ``sum_r sum_t L_{r,t} R_{r,t}^T``.
+    """
+    if isinstance(grad, InstantiatedGrad):
+        n = grad.value.shape[0]
+        if n == batch_size:
+            return grad
+        return InstantiatedGrad(grad.value.reshape(batch_size, n // batch_size, *grad.value.shape[1:]).sum(1))
+    rows = grad.left.batch_size if isinstance(grad.left, IndexFactor) else grad.left.shape[0]
+    if rows == batch_size:
+        return grad
+    return FactoredGrad(_fold_factor(grad.left, batch_size), _fold_factor(grad.right, batch_size), grad.shape)
+
+
+def _kind(f: Factor) -> tuple:
+    return ("index", f.size) if isinstance(f, IndexFactor) else ("dense", f.shape[-1])
+
+
+def _cat(factors: list[Factor]) -> Factor:
+    if isinstance(factors[0], IndexFactor):
+        return IndexFactor(torch.cat([f.index for f in factors], 1), factors[0].size)
+    dtype = factors[0].dtype
+    for f in factors[1:]:
+        dtype = torch.promote_types(dtype, f.dtype)
+    return torch.cat([f.to(dtype) for f in factors], 1)
+
+
+def merge(grads: list[PerExampleGrad]) -> list[PerExampleGrad]:
+    """Combine the per-use gradients of one parameter into as few pieces as possible, exactly.
+
+    Instantiated pieces are added; factored pieces with factors of the same kinds are concatenated along the
+    positions (``sum_k sum_t L^k_t R^k_t^T`` is one factored gradient over all positions). What remains (e.g. a
+    one-hot embedding factor and a dense ``lm_head`` factor) needs the cross terms of :func:`inner`.
+    """
+    dense: InstantiatedGrad | None = None
+    groups: dict[tuple, list[FactoredGrad]] = {}
+    for g in grads:
+        if isinstance(g, InstantiatedGrad):
+            dense = g if dense is None else InstantiatedGrad(dense.value + g.value)
+        else:
+            groups.setdefault((_kind(g.left), _kind(g.right)), []).append(g)
+    out: list[PerExampleGrad] = [] if dense is None else [dense]
+    for group in groups.values():
+        if len(group) == 1:
+            out.append(group[0])
+        else:
+            out.append(FactoredGrad(_cat([g.left for g in group]), _cat([g.right for g in group]), group[0].shape))
+    return out

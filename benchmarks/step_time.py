@@ -5,6 +5,13 @@ measurement, then a table of ratios to non-private. A benchmark, not a test.
 
     python benchmarks/step_time.py                       # CPU default: GPT-2 shape 4 x 256, vocab 8000, B=16, T=96
     python benchmarks/step_time.py --device cuda --layers 12 --hidden 768 --vocab 50257 --seq 100 --batch 32
+    python benchmarks/step_time.py --accum 4             # 4 micro-batches per optimizer step
+    python benchmarks/step_time.py --variants hf_dp-first-step   # one-time costs: plan, checks, self-check
+
+A step is ``--accum`` micro-batches (forward + backward each) and one AdamW step. For hf_dp the first micro-batch
+after building the clipper also proves the plan (sub-batch probe, rule checks, verified forward, layout check of
+the loss); the warm-up steps absorb it. ``hf_dp-first-step`` instead times that first micro-batch, a steady one,
+and ``BookKeepingClipper.self_check`` on the micro-batch (3 examples), each in a fresh clipper.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import sys
 import time
 
 VARIANTS = ["non-private", "hf_dp-bk", "hf_dp-bk-mixopt", "hf_dp-ghost", "opacus"]
+EXTRA_VARIANTS = ["hf_dp-per-sample", "hf_dp-first-step"]
 
 
 def parse_args(argv=None):
@@ -34,7 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS + EXTRA_VARIANTS)
     p.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant in this process
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     p.add_argument(
@@ -79,6 +88,8 @@ def run_variant(args) -> dict:
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     position_ids = torch.arange(args.seq, device=device).expand(args.batch, -1)
     variant = args.variant
+    if variant == "hf_dp-first-step":
+        return first_step_costs(args, model, ids, position_ids)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     clipper = None
     if variant.startswith("hf_dp"):
@@ -90,15 +101,19 @@ def run_variant(args) -> dict:
         model = GradSampleModule(model)
         optimizer = DPOptimizer(optimizer, noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=args.batch)
 
+    graph_grads = []
+
     def step():
-        out = model(input_ids=ids, position_ids=position_ids)
-        loss = causal_lm_loss(out.logits, ids, reduction="sum")
-        if variant == "non-private":
-            loss.sum().backward()
-        elif clipper is not None:
-            clipper.backward(loss)
-        else:
-            loss.sum().backward()
+        for _ in range(args.accum):
+            out = model(input_ids=ids, position_ids=position_ids)
+            loss = causal_lm_loss(out.logits, ids, reduction="sum")
+            if variant == "non-private":
+                loss.sum().backward()
+            elif clipper is not None:
+                clipper.backward(loss)
+            else:
+                loss.sum().backward()
+        graph_grads.append(sum(p.grad is not None and p.grad.grad_fn is not None for p in model.parameters()))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -121,8 +136,49 @@ def run_variant(args) -> dict:
         "tokens_per_s": args.batch * args.seq / statistics.median(times),
         "peak_mb": (torch.cuda.max_memory_allocated() / 2**20) if cuda else peak_rss - base_rss,
         "memory": "cuda max_memory_allocated" if cuda else "peak RSS above the pre-model baseline",
+        "grads_with_graph": max(graph_grads),
     }
     return result
+
+
+def first_step_costs(args, model, ids, position_ids) -> dict:
+    """One-time costs of hf_dp: the first micro-batch of a fresh clipper (plan and checks), a steady micro-batch,
+    and ``self_check`` on the same micro-batch, each the median over ``--repeats`` fresh clippers."""
+    import torch
+
+    from hf_dp import BookKeepingClipper
+    from hf_dp.losses import causal_lm_loss
+
+    batch = {"input_ids": ids, "position_ids": position_ids}
+
+    def loss_fn(m, b):
+        return causal_lm_loss(m(**b).logits, b["input_ids"], reduction="sum")
+
+    sync = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda: None)
+    first, steady, check = [], [], []
+    for _ in range(args.repeats):
+        clipper = BookKeepingClipper(model, max_grad_norm=1.0, mode="bk-mixopt")
+        for times in (first, steady):
+            sync()
+            start = time.perf_counter()
+            clipper.backward(loss_fn(model, batch))
+            sync()
+            times.append(time.perf_counter() - start)
+        clipper.remove()
+        model.zero_grad(set_to_none=True)
+        clipper = BookKeepingClipper(model, max_grad_norm=1.0, mode="bk-mixopt")
+        sync()
+        start = time.perf_counter()
+        clipper.self_check(batch, loss_fn, num_examples=3)
+        sync()
+        check.append(time.perf_counter() - start)
+        clipper.remove()
+    return {
+        "variant": "hf_dp-first-step",
+        "first_s": statistics.median(first),
+        "steady_s": statistics.median(steady),
+        "self_check_s": statistics.median(check),
+    }
 
 
 def main(argv=None):
@@ -134,7 +190,7 @@ def main(argv=None):
     print(
         f"# machine: {platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}, "
         f"device {args.device}; model GPT-2 {args.layers}x{args.hidden}, vocab {args.vocab}, B={args.batch}, "
-        f"T={args.seq}, {args.dtype}"
+        f"T={args.seq}, {args.dtype}, {args.accum} micro-batch(es) per step"
     )
     env = dict(os.environ)
     if not args.system_malloc and args.device == "cpu":
@@ -148,9 +204,16 @@ def main(argv=None):
             print(f"{variant}\tFAILED\t{proc.stderr.strip().splitlines()[-1] if proc.stderr else ''}")
             continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])
+        if variant == "hf_dp-first-step":
+            print(
+                f"{variant}\tfirst micro-batch {r['first_s'] * 1000:.0f} ms\tsteady {r['steady_s'] * 1000:.0f} ms"
+                f"\tself_check {r['self_check_s'] * 1000:.0f} ms"
+            )
+            continue
         results.append(r)
         print(
             f"{variant}\tstep {r['median_s'] * 1000:.1f} ms\t{r['tokens_per_s']:.0f} tok/s\tpeak {r['peak_mb']:.0f} MB"
+            f"\tp.grad with a graph: {r.get('grads_with_graph', '?')}"
         )
     base = next((r for r in results if r["variant"] == "non-private"), None)
     if base:

@@ -1,4 +1,10 @@
-"""The model matrix: tiny models from configs (nothing from the Hub), their batches and per-example losses."""
+"""The model matrix: tiny models from configs (nothing from the Hub), their batches and per-example losses.
+
+Every model is trained as users train it (position tables, relative position biases and tied embeddings trainable,
+no dropout so that the float64 oracle compares like with like) and comes in two shapes: micro-batch != sequence
+length with padding, and ``-b-eq-t`` where micro-batch == sequence length (== target length for encoder-decoders,
+== patches + 1 for vision models), so that no check can tell the batch dimension apart by its size.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +12,28 @@ import torch
 from transformers import (
     AlbertConfig,
     AlbertForMaskedLM,
+    BartConfig,
+    BartForConditionalGeneration,
+    BeitConfig,
+    BeitForImageClassification,
     BertConfig,
     BertForSequenceClassification,
+    DeiTConfig,
+    DeiTForImageClassification,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MBartConfig,
+    MBartForConditionalGeneration,
+    OPTConfig,
+    OPTForCausalLM,
     RobertaConfig,
     RobertaForMaskedLM,
     T5Config,
     T5ForConditionalGeneration,
+    ViTConfig,
+    ViTForImageClassification,
 )
 
 from hf_dp.losses import causal_lm_loss, masked_lm_loss, sequence_classification_loss, token_loss
@@ -34,13 +52,22 @@ def padded_ids(lengths, seq_len, *, pad_id=0, low=3, seed=0):
     return ids, mask
 
 
-def causal_batches():
+def causal_batches(pad_id=0, shapes=None):
+    """Causal-LM micro-batches; ``shapes``: ``[(B, T), ...]`` with full-length rows (default: two padded batches)."""
     out = []
+    if shapes is not None:
+        for seed, (b, t) in enumerate(shapes):
+            ids, mask = padded_ids([t] * b, t, pad_id=pad_id, seed=seed)
+            out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.clone()})
+        return out
     for seed, lengths in enumerate([(10, 7, 10, 4, 9), (6, 10, 8)]):
-        ids, mask = padded_ids(lengths, 10, seed=seed)
+        ids, mask = padded_ids(lengths, 10, pad_id=pad_id, seed=seed)
         labels = ids.masked_fill(mask == 0, -100)
         out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return out
+
+
+B_EQ_T = [(6, 6), (6, 6)]  # micro-batch == sequence length
 
 
 def causal_loss(model, batch):
@@ -96,10 +123,13 @@ def bert_classifier():
     return BertForSequenceClassification(cfg)
 
 
-def classification_batches():
+def classification_batches(shapes=None):
     out = []
-    for seed, lengths in enumerate([(10, 7, 10, 4, 9), (6, 10, 8)]):
-        ids, mask = padded_ids(lengths, 10, seed=seed)
+    plan = [(lengths, 10) for lengths in [(10, 7, 10, 4, 9), (6, 10, 8)]]
+    if shapes is not None:
+        plan = [((t,) * b, t) for b, t in shapes]
+    for seed, (lengths, seq_len) in enumerate(plan):
+        ids, mask = padded_ids(lengths, seq_len, seed=seed)
         token_types = torch.zeros_like(ids)
         token_types[:, 5:] = 1
         labels = torch.arange(len(lengths)) % 3
@@ -144,10 +174,13 @@ def albert_mlm():
     return AlbertForMaskedLM(cfg)
 
 
-def mlm_batches(pad_id=0):
+def mlm_batches(pad_id=0, shapes=None):
     out = []
-    for seed, lengths in enumerate([(10, 7, 10, 4, 9), (6, 10, 8)]):
-        ids, mask = padded_ids(lengths, 10, pad_id=pad_id, seed=seed)
+    plan = [(lengths, 10) for lengths in [(10, 7, 10, 4, 9), (6, 10, 8)]]
+    if shapes is not None:
+        plan = [((t,) * b, t) for b, t in shapes]
+    for seed, (lengths, seq_len) in enumerate(plan):
+        ids, mask = padded_ids(lengths, seq_len, pad_id=pad_id, seed=seed)
         g = torch.Generator().manual_seed(seed + 10)
         pick = (torch.rand(ids.shape, generator=g) < 0.4) & (mask == 1)
         pick[:, 1] = True  # every example has a target
@@ -162,7 +195,8 @@ def mlm_loss(model, batch):
     return masked_lm_loss(logits, batch["labels"], reduction="mean")
 
 
-def t5():
+def t5(trainable_bias=True):
+    """T5 with its relative attention bias trainable (indexed by ``[q, k]`` bucket ids, no batch dimension)."""
     cfg = T5Config(
         vocab_size=VOCAB,
         d_model=16,
@@ -179,24 +213,35 @@ def t5():
         tie_word_embeddings=True,
     )
     model = T5ForConditionalGeneration(cfg)
-    for name, p in model.named_parameters():
-        if "relative_attention_bias" in name:  # indexed by a [T, T] bucket matrix: no per-example batch dim
-            p.requires_grad_(False)
+    if not trainable_bias:
+        for name, p in model.named_parameters():
+            if "relative_attention_bias" in name:
+                p.requires_grad_(False)
     return model
 
 
-def seq2seq_batches():
+def seq2seq_batches(pad_id=0, shapes=None):
+    """``shapes``: ``[(B, source length, target length), ...]`` with full-length rows."""
     out = []
+    if shapes is not None:
+        for seed, (b, t, s) in enumerate(shapes):
+            ids, mask = padded_ids([t] * b, t, pad_id=pad_id, seed=seed)
+            labels, _ = padded_ids([s] * b, s, pad_id=pad_id, seed=seed + 5)
+            out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+        return out
     for seed, lengths in enumerate([(8, 5, 8, 3), (6, 8, 7)]):
-        ids, mask = padded_ids(lengths, 8, seed=seed)
-        labels, label_mask = padded_ids([max(2, n - 2) for n in lengths], 6, seed=seed + 5)
+        ids, mask = padded_ids(lengths, 8, pad_id=pad_id, seed=seed)
+        labels, label_mask = padded_ids([max(2, n - 2) for n in lengths], 6, pad_id=pad_id, seed=seed + 5)
         out.append({"input_ids": ids, "attention_mask": mask, "labels": labels.masked_fill(label_mask == 0, -100)})
     return out
 
 
+SEQ2SEQ_B_EQ_T = [(5, 5, 5), (5, 5, 5)]
+
+
 def seq2seq_loss(model, batch):
     labels = batch["labels"]
-    decoder_input_ids = model._shift_right(labels)
+    decoder_input_ids = model.prepare_decoder_input_ids_from_labels(labels=labels)
     logits = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
@@ -240,6 +285,118 @@ def gpt2_prefix(projection=False):
     return get_peft_model(gpt2(), cfg)
 
 
+def bart(tied=True):
+    """BART: scaled word embeddings (``BartScaledWordEmbedding``, tied with ``lm_head``) and learned position
+    tables (an ``nn.Embedding`` subclass that builds its own ids; the decoder's is ``[1, T, d]``)."""
+    cfg = BartConfig(
+        vocab_size=VOCAB,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=24,
+        decoder_ffn_dim=24,
+        max_position_embeddings=16,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        scale_embedding=True,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        tie_word_embeddings=tied,
+    )
+    return BartForConditionalGeneration(cfg)
+
+
+def mbart():
+    """mBART: pre-LayerNorm, ``layernorm_embedding``, scaled tied embeddings, and its own decoder-input shift."""
+    cfg = MBartConfig(
+        vocab_size=VOCAB,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=24,
+        decoder_ffn_dim=24,
+        max_position_embeddings=16,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        scale_embedding=True,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
+    return MBartForConditionalGeneration(cfg)
+
+
+def opt(project=False):
+    """OPT: the decoder layers reshape hidden states to ``[B*T, d]`` before ``fc1``/``fc2`` (a flattened layout);
+    ``project=True``: OPT-350m style (post-LayerNorm, ``project_in``/``project_out``)."""
+    cfg = OPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        ffn_dim=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        word_embed_proj_dim=8 if project else 16,
+        do_layer_norm_before=not project,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        layerdrop=0.0,
+        pad_token_id=1,
+        tie_word_embeddings=True,
+    )
+    return OPTForCausalLM(cfg)
+
+
+_VISION = {
+    "image_size": 8,
+    "patch_size": 4,
+    "num_channels": 3,
+    "hidden_size": 16,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "intermediate_size": 24,
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+    "num_labels": 3,
+}
+IMAGE_B_EQ_T = [5, 5]  # 8x8 images, 4x4 patches: 4 patches + [CLS] = 5 positions
+
+
+def vit():
+    return ViTForImageClassification(ViTConfig(**_VISION))
+
+
+def deit():
+    """DeiT: [CLS] and distillation tokens and position embeddings are raw parameters of the embeddings module."""
+    return DeiTForImageClassification(DeiTConfig(**_VISION))
+
+
+def beit():
+    """BEiT: a relative position bias table per layer (``[1, heads, N, N]``, shared by every example) and layer
+    scales (raw parameters read in the layer's forward)."""
+    cfg = BeitConfig(**_VISION, use_relative_position_bias=True, use_mean_pooling=True, layer_scale_init_value=0.1)
+    return BeitForImageClassification(cfg)
+
+
+def image_batches(shapes=(4, 3)):
+    g = torch.Generator().manual_seed(0)
+    return [{"pixel_values": torch.randn(b, 3, 8, 8, generator=g), "labels": torch.arange(b) % 3} for b in shapes]
+
+
+def image_loss(model, batch):
+    return sequence_classification_loss(model(pixel_values=batch["pixel_values"]).logits, batch["labels"])
+
+
 # name -> (model factory, batches, loss)
 MODEL_MATRIX = {
     "gpt2-tied": (gpt2, causal_batches, causal_loss),
@@ -248,9 +405,38 @@ MODEL_MATRIX = {
     "roberta-mlm": (roberta_mlm, lambda: mlm_batches(pad_id=1), mlm_loss),
     "llama": (llama, causal_batches, causal_loss),
     "t5": (t5, seq2seq_batches, seq2seq_loss),
+    "t5-frozen-bias": (lambda: t5(trainable_bias=False), seq2seq_batches, seq2seq_loss),
     "albert-mlm": (albert_mlm, mlm_batches, mlm_loss),
     "gpt2-lora": (gpt2_lora, causal_batches, causal_loss),
     "llama-lora-modules-to-save": (llama_lora, causal_batches, causal_loss),
     "gpt2-prefix": (gpt2_prefix, causal_batches, causal_loss),
     "gpt2-prefix-projection": (lambda: gpt2_prefix(True), causal_batches, causal_loss),
+    "bart-tied": (bart, lambda: seq2seq_batches(pad_id=1), seq2seq_loss),
+    "mbart": (mbart, lambda: seq2seq_batches(pad_id=1), seq2seq_loss),
+    "opt": (opt, lambda: causal_batches(pad_id=1), causal_loss),
+    "opt-350m-style": (lambda: opt(project=True), lambda: causal_batches(pad_id=1), causal_loss),
+    "vit": (vit, image_batches, image_loss),
+    "deit": (deit, image_batches, image_loss),
+    "beit": (beit, image_batches, image_loss),
+}
+
+# the same models with micro-batch == sequence length
+MODEL_MATRIX_B_EQ_T = {
+    "gpt2-tied": (gpt2, lambda: causal_batches(shapes=B_EQ_T), causal_loss),
+    "gpt2-untied": (lambda: gpt2(tied=False), lambda: causal_batches(shapes=B_EQ_T), causal_loss),
+    "bert-classifier": (bert_classifier, lambda: classification_batches(shapes=B_EQ_T), classification_loss),
+    "roberta-mlm": (roberta_mlm, lambda: mlm_batches(pad_id=1, shapes=B_EQ_T), mlm_loss),
+    "llama": (llama, lambda: causal_batches(shapes=B_EQ_T), causal_loss),
+    "t5": (t5, lambda: seq2seq_batches(shapes=SEQ2SEQ_B_EQ_T), seq2seq_loss),
+    "albert-mlm": (albert_mlm, lambda: mlm_batches(shapes=B_EQ_T), mlm_loss),
+    "gpt2-lora": (gpt2_lora, lambda: causal_batches(shapes=B_EQ_T), causal_loss),
+    "llama-lora-modules-to-save": (llama_lora, lambda: causal_batches(shapes=B_EQ_T), causal_loss),
+    "gpt2-prefix": (gpt2_prefix, lambda: causal_batches(shapes=B_EQ_T), causal_loss),
+    "bart-tied": (bart, lambda: seq2seq_batches(pad_id=1, shapes=SEQ2SEQ_B_EQ_T), seq2seq_loss),
+    "mbart": (mbart, lambda: seq2seq_batches(pad_id=1, shapes=SEQ2SEQ_B_EQ_T), seq2seq_loss),
+    "opt": (opt, lambda: causal_batches(pad_id=1, shapes=B_EQ_T), causal_loss),
+    "opt-350m-style": (lambda: opt(project=True), lambda: causal_batches(pad_id=1, shapes=B_EQ_T), causal_loss),
+    "vit": (vit, lambda: image_batches(IMAGE_B_EQ_T), image_loss),
+    "deit": (deit, lambda: image_batches(IMAGE_B_EQ_T), image_loss),
+    "beit": (beit, lambda: image_batches(IMAGE_B_EQ_T), image_loss),
 }

@@ -33,7 +33,7 @@ from ..layers import Captured, Layout, UnsupportedModuleError
 from ..layers.grads import FactoredGrad, PerExampleGrad, compute_dtype, inner, instantiate, merge, norm_sq, weighted_sum
 from .batch import RootBatch, root_batch, slice_batch
 from .coverage import HookedModule, plan_coverage, trainable_parameters
-from .planner import CallLayout, Plan, build_plan, expansion_changes_output
+from .planner import CallLayout, Plan, build_plan, expansion_changes_output, needs_third_run
 from .probe import eval_mode, frozen_rng, run_probe
 from .rows import closed_form_grads, foreign_rows, grad_layout
 from .self_check import self_check
@@ -274,6 +274,10 @@ class BookKeepingClipper:
                 one = run_probe(self.model, *slice_batch(args, kwargs, batch, [0]), params)
                 pair = [1, 0] if batch.size > 1 else [0, 0]
                 two = run_probe(self.model, *slice_batch(args, kwargs, batch, pair), params)
+                three = None
+                if needs_third_run(one, two):  # e.g. a mask built only when some example is padded
+                    triple = [1, 1, 0] if batch.size > 1 else [0, 0, 0]
+                    three = run_probe(self.model, *slice_batch(args, kwargs, batch, triple), params)
             except UnsupportedModuleError:
                 raise
             except Exception as err:
@@ -284,7 +288,9 @@ class BookKeepingClipper:
                     "sliced along dimension 0."
                 ) from err
             with eval_mode(self.model):
-                plan = build_plan(self._static, one, two, names, param_names, allow_fallback=self.allow_fallback)
+                plan = build_plan(
+                    self._static, one, two, names, param_names, allow_fallback=self.allow_fallback, three=three
+                )
             expand = {}
             by_id = {id(e): e for e in plan.hooked}
             for (entry_id, ordinal), layout in plan.calls.items():
@@ -292,13 +298,13 @@ class BookKeepingClipper:
                     expand[(id(by_id[entry_id].module), ordinal)] = layout.expand
             if expand:
                 try:
-                    three = run_probe(
+                    expanded = run_probe(
                         self.model,
                         *slice_batch(args, kwargs, batch, pair),
                         params,
                         output_hook=functools.partial(_expand_output, expand, 2),
                     )
-                    changed = expansion_changes_output(two.output, three.output)
+                    changed = expansion_changes_output(two.output, expanded.output)
                 except Exception:  # noqa: BLE001  (the model cannot take the expanded tensor)
                     changed = True
                 if changed:

@@ -49,6 +49,19 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+_CONTAINERS = (nn.ParameterDict, nn.ParameterList)
+
+
+def _own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The module's own parameters, and those of the parameter containers it holds (peft keeps LoRA embedding
+    factors in ``ParameterDict`` children, which are never called: the holder is the one that uses them)."""
+    own = list(module.named_parameters(recurse=False))
+    for child_name, child in module.named_children():
+        if isinstance(child, _CONTAINERS):
+            own += [(f"{child_name}.{n}", p) for n, p in child.named_parameters()]
+    return own
+
+
 def _reject_batch_statistics(model: nn.Module) -> None:
     for name, module in model.named_modules():
         if isinstance(module, _BatchNorm):
@@ -91,6 +104,8 @@ def plan_coverage(model: nn.Module, *, allow_fallback: bool = True) -> list[Hook
     hooked: list[HookedModule] = []
     for name, module in model.named_modules():
         check_prefix_encoder(module, name)
+        if isinstance(module, _CONTAINERS):
+            continue  # never called: its parameters belong to the module that holds it
         match = match_rule(module)
         covered: set[int] = set()
         if match is not None:
@@ -102,12 +117,12 @@ def plan_coverage(model: nn.Module, *, allow_fallback: bool = True) -> list[Hook
         if match is not None:
             params = [p for p in match.rule.parameters(module) if id(p) in trainable]
             covered = {id(p) for p in params}
-            own = [n for n, p in module.named_parameters(recurse=False) if id(p) in trainable and id(p) not in covered]
+            own = [n for n, p in _own_parameters(module) if id(p) in trainable and id(p) not in covered]
             if own and not match.exact:  # a guessed rule that does not cover the module: the fallback takes it all
                 match, covered = None, set()
             elif params:
                 hooked.append(HookedModule(name, module, match.rule, params, match))
-        own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) in trainable and id(p) not in covered]
+        own = [(n, p) for n, p in _own_parameters(module) if id(p) in trainable and id(p) not in covered]
         if not own:
             continue
         names = [n for n, _ in own]

@@ -42,7 +42,7 @@ except ImportError:  # transformers is a dependency; keep the engine importable 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CallLayout", "Plan", "build_plan", "describe_layout"]
+__all__ = ["CallLayout", "Plan", "build_plan", "describe_layout", "needs_third_run"]
 
 
 @dataclass
@@ -82,26 +82,57 @@ def describe_layout(layout) -> str:
 
 
 class _Layouts:
-    """Layouts of every leaf of every call, from the runs on one and two examples."""
+    """Layouts of every leaf of every call, from the runs on examples ``[0]`` and ``[1, 0]``.
 
-    def __init__(self, one: ProbeRun, two: ProbeRun) -> None:
-        if [(id(c.module), c.ordinal) for c in one.calls] != [(id(c.module), c.ordinal) for c in two.calls]:
+    A leaf that is a tensor in one run and not in the other (an attention mask built only when some example is
+    padded) is read from the runs on ``[1, 0]`` and ``[1, 1, 0]`` instead, when a third run is given.
+    """
+
+    def __init__(self, one: ProbeRun, two: ProbeRun, three: ProbeRun | None = None) -> None:
+        if _signature(one) != _signature(two):
             raise UnsupportedModuleError(
                 "The model calls different modules for one example and for two (data-dependent control flow), so "
                 "hf_dp cannot match the calls to prove where the examples are."
             )
+        if three is not None and _signature(three) != _signature(two):
+            three = None
         self.inputs: list[list] = []
         self.outputs: list[list] = []
         self.fallback_memo: dict[int, CallLayout | None] = {}
-        for c1, c2 in zip(one.calls, two.calls, strict=True):
-            self.inputs.append(_pairwise(c1.in_leaves, c2.in_leaves))
-            self.outputs.append(_pairwise(c1.out_leaves, c2.out_leaves))
+        for i, (c1, c2) in enumerate(zip(one.calls, two.calls, strict=True)):
+            c3 = three.calls[i] if three is not None else None
+            self.inputs.append(_pairwise(c1.in_leaves, c2.in_leaves, c3.in_leaves if c3 else None))
+            self.outputs.append(_pairwise(c1.out_leaves, c2.out_leaves, c3.out_leaves if c3 else None))
 
 
-def _pairwise(one: list, two: list) -> list:
+def _signature(run: ProbeRun) -> list[tuple[int, int]]:
+    return [(id(c.module), c.ordinal) for c in run.calls]
+
+
+def needs_third_run(one: ProbeRun, two: ProbeRun) -> bool:
+    """Whether some leaf is a tensor in one run only (see :class:`_Layouts`)."""
+    for c1, c2 in zip(one.calls, two.calls, strict=False):
+        for x, y in zip(c1.in_leaves + c1.out_leaves, c2.in_leaves + c2.out_leaves, strict=False):
+            if isinstance(x, Tensor) != isinstance(y, Tensor):
+                return True
+    return False
+
+
+def _pairwise(one: list, two: list, three: list | None) -> list:
     if len(one) != len(two):
         return [MIXED] * max(len(one), len(two), 1)
-    return [infer_layout(a, b) for a, b in zip(one, two, strict=True)]
+    out = []
+    for j, (a, b) in enumerate(zip(one, two, strict=True)):
+        layout = infer_layout(a, b)
+        if (
+            layout is MIXED
+            and three is not None
+            and len(three) == len(two)
+            and isinstance(a, Tensor) != isinstance(b, Tensor)
+        ):
+            layout = infer_layout(b, three[j], sizes=(2, 3))
+        out.append(layout)
+    return out
 
 
 def _is_float(x) -> bool:
@@ -296,9 +327,13 @@ def build_plan(
     param_names: dict[nn.Parameter, str],
     *,
     allow_fallback: bool,
+    three: ProbeRun | None = None,
 ) -> Plan:
-    """The plan for the probed forward pass (steps 1-3 of the module docstring; the caller runs step 4)."""
-    layouts = _Layouts(one, two)
+    """The plan for the probed forward pass (steps 1-3 of the module docstring; the caller runs step 4).
+
+    ``one``, ``two``, ``three``: probe runs on examples ``[0]``, ``[1, 0]`` and (optionally) ``[1, 1, 0]``.
+    """
+    layouts = _Layouts(one, two, three)
     calls_of: dict[int, list[CallRecord]] = {}
     for call in one.calls:
         calls_of.setdefault(id(call.module), []).append(call)

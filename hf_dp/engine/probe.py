@@ -226,21 +226,26 @@ def run_probe(
     return ProbeRun(calls, uses, output)
 
 
-def infer_layout(one, two):
-    """The layout proven by the same tensor in the runs on examples ``[0]`` (``one``) and ``[1, 0]`` (``two``).
+def infer_layout(one, two, sizes: tuple[int, int] = (1, 2)):
+    """The layout proven by the same tensor in two runs whose last example is example 0.
 
-    Returns a :class:`Layout` (batched, or ``broadcast`` for a ``[1, ...]`` tensor equal in both runs), ``None`` for
-    a non-tensor or a tensor equal in both runs (shared by every example), or :data:`MIXED`.
+    ``one`` and ``two`` come from runs on ``sizes`` examples (by default ``[0]`` and ``[1, 0]``). Returns a
+    :class:`Layout` (batched, or ``broadcast`` for a ``[1, ...]`` tensor equal in both runs), ``None`` for a
+    non-tensor or a tensor equal in both runs (shared by every example), or :data:`MIXED`.
     """
     if not isinstance(one, Tensor) or not isinstance(two, Tensor):
         return None if type(one) is type(two) else MIXED
+    a, b = sizes
     s1, s2 = tuple(one.shape), tuple(two.shape)
     if len(s1) == len(s2):
         for d in range(len(s1)):
-            k = s1[d]
-            if k > 0 and s2[d] == 2 * k and all(s1[j] == s2[j] for j in range(len(s1)) if j != d):
-                # example 0 is the second block of rows in the run on [1, 0]
-                return Layout(d) if same_values(two.narrow(d, k, k), one) else MIXED
+            if s1[d] == 0 or s1[d] % a or s2[d] * a != s1[d] * b:
+                continue
+            if any(s1[j] != s2[j] for j in range(len(s1)) if j != d):
+                continue
+            k = s1[d] // a
+            # example 0 is the last block of rows in both runs
+            return Layout(d) if same_values(two.narrow(d, (b - 1) * k, k), one.narrow(d, (a - 1) * k, k)) else MIXED
     if s1 == s2:
         if not same_values(one, two):
             return MIXED

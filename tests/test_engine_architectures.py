@@ -1,0 +1,208 @@
+"""The "Supported architectures" table of the README, and the tests that prove each row.
+
+Every row names the test cases that establish it (exactness against the float64 oracle in every clipping mode, or
+a clear refusal); the test below checks that those cases exist, so the table cannot claim what no test covers.
+
+    python tests/test_engine_architectures.py          # print the markdown table
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+ALL = "bk, bk-mixopt, per-sample, ghost"
+
+#: (architecture, status, how, proving tests). A test is ``"module::function"`` or ``"models:<case>"`` (a case of
+#: tests/test_models.py, run in every mode, with micro-batch != and == sequence length).
+ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
+    # whole models
+    ("GPT-2 (tied or untied)", f"exact: {ALL}", "closed forms", ["models:gpt2-tied", "models:gpt2-untied"]),
+    (
+        "BERT, RoBERTa, ALBERT (shared layers)",
+        f"exact: {ALL}",
+        "closed forms; repeated uses merged exactly",
+        ["models:bert-classifier", "models:roberta-mlm", "models:albert-mlm"],
+    ),
+    ("Llama family (RMSNorm)", f"exact: {ALL}", "closed forms", ["models:llama"]),
+    (
+        "PEFT LoRA (linear and embedding adapters), prefix tuning",
+        f"exact: {ALL}",
+        "closed forms",
+        [
+            "models:gpt2-lora",
+            "models:llama-lora-modules-to-save",
+            "models:gpt2-prefix",
+            "models:gpt2-prefix-projection",
+        ],
+    ),
+    (
+        "OPT (125m and 350m style)",
+        f"exact: {ALL}",
+        "closed forms on the flattened `[B*T, d]` rows (proven contiguous per example)",
+        ["models:opt", "models:opt-350m-style"],
+    ),
+    (
+        "BART, mBART (scaled tied embeddings, learned positions)",
+        f"exact: {ALL}",
+        "embeddings: the embedding rule times the measured scale; position tables: fallback on their module, "
+        "the decoder's `[1, T, d]` output expanded to the batch",
+        ["models:bart-tied", "models:mbart"],
+    ),
+    (
+        "T5 with trainable relative attention bias",
+        f"exact: {ALL}; refused in training if the attention dropout is > 0",
+        "bias: fallback on the first attention module of each stack (re-run per example), its `[1, h, q, k]` "
+        "output expanded to the batch; the rest closed forms",
+        ["models:t5", "test_engine_layouts::test_table_without_batch_dimension_is_covered_by_its_parent"],
+    ),
+    (
+        "ViT, DeiT",
+        f"exact: {ALL}",
+        "[CLS]/distillation tokens and position embeddings: fallback on the embeddings module; the rest closed forms",
+        ["models:vit", "models:deit"],
+    ),
+    (
+        "BEiT (relative position bias, layer scale)",
+        f"exact: {ALL}; refused in training if `drop_path_rate` > 0 and the layer scales are trained",
+        "bias table: fallback on its module, output expanded; layer scales: fallback on each layer",
+        ["models:beit"],
+    ),
+    # layers and patterns
+    (
+        "`nn.Linear`, HF `Conv1D`, `nn.Embedding` (`padding_idx`), `nn.LayerNorm`, RMSNorm family, `nn.Conv1d/2d`",
+        f"exact: {ALL}",
+        "closed forms (ghost norm or instantiation per layer in bk-mixopt)",
+        [
+            "layers.test_linear::test_linear_sequence_shapes",
+            "layers.test_conv1d_hf::test_hf_conv1d",
+            "layers.test_embedding::test_embedding_repeated_ids_and_padding",
+            "layers.test_layernorm::test_layernorm",
+            "layers.test_rmsnorm::test_rms_norms",
+            "layers.test_conv::test_conv2d",
+        ],
+    ),
+    (
+        "`nn.EmbeddingBag` (2-D input, or `offsets` with `per_sample_weights`; sum, mean, max)",
+        f"exact: {ALL}",
+        "closed form over the bags",
+        ["test_engine_layouts::test_embedding_bag_with_offsets"],
+    ),
+    (
+        "`nn.MultiheadAttention`, `nn.RNN/GRU/LSTM`, grouped or padded convolutions, `nn.Conv3d`, `nn.GroupNorm`, "
+        "affine `nn.InstanceNorm*`, any module with its own parameters (also as the root model, returning tuples)",
+        f"exact: {ALL}",
+        "torch.func fallback: the module re-run per example (vmap, or a loop)",
+        [
+            "test_engine_layouts::test_fallback_takes_any_module",
+            "layers.test_fallback::test_fallback_matches_oracle",
+            "layers.test_conv::test_grouped_conv_uses_fallback",
+        ],
+    ),
+    (
+        "Subclasses of a supported layer (e.g. `BartScaledWordEmbedding`), rules matched by class name",
+        f"exact: {ALL}",
+        "checked against autograd on the first batch: the base rule, the base rule times a constant, or the fallback",
+        [
+            "test_engine_layouts::test_scaled_embedding_tied_to_a_linear_head",
+            "test_engine_layouts::test_guessed_rule_that_does_not_hold_goes_to_the_fallback",
+        ],
+    ),
+    (
+        "A parameter used outside its module's forward (`F.linear(x, emb.weight)` in a parent)",
+        f"exact: {ALL}",
+        "fallback on the smallest enclosing module whose inputs and outputs carry the examples",
+        [
+            "test_engine_layouts::test_functional_use_of_a_hooked_weight",
+            "test_self_check::test_an_unhooked_use_is_refused_without_the_fallback",
+        ],
+    ),
+    (
+        "Layouts inside the model: `[B*T, d]`, `[T, B, d]`, shared `[1, ...]` activations; micro-batch == length",
+        f"exact: {ALL}",
+        "proven on sub-batches of 1 and 2 examples, never guessed from a size",
+        [
+            "test_engine_layouts::test_flattened_rows_per_example",
+            "test_engine_layouts::test_batch_second_inside_the_model",
+            "layers.test_embedding::test_shared_activation_is_expanded_exactly",
+        ],
+    ),
+    (
+        "Two forward passes of the model before one loss (pairs of inputs)",
+        f"exact: {ALL}",
+        "both passes book-kept, cross terms exact",
+        ["test_engine_layouts::test_two_forward_passes_before_one_loss"],
+    ),
+    # refused
+    (
+        "BatchNorm; InstanceNorm with running statistics",
+        "refused at construction",
+        "one example's output depends on the others (or buffers change in the forward)",
+        ["test_clipper::test_batchnorm_is_rejected_with_its_name"],
+    ),
+    (
+        "`nn.Embedding` with `max_norm`, `scale_grad_by_freq` or `sparse`",
+        "refused at construction",
+        "in-place renormalisation / batch-dependent scale / sparse gradients",
+        ["layers.test_embedding::test_unsupported_embedding_options_raise"],
+    ),
+    (
+        "Gradient checkpointing",
+        "refused at the first forward",
+        "it recomputes the forward inside the backward",
+        ["test_engine_lifecycle::test_gradient_checkpointing_is_refused"],
+    ),
+    (
+        "Root inputs that are not batch-first (`[T, B, ...]`, also when T == B); `PackedSequence` inputs",
+        "refused at the first batch",
+        "loss `j` must depend on example `j`'s rows only (checked on the first batch)",
+        ["test_engine_lifecycle::test_batch_second_root_inputs_are_refused_even_when_t_equals_b"],
+    ),
+    (
+        "Losses that couple examples; parameters used after the forward (in the loss)",
+        "refused at the first batch",
+        "unclipped or mixed gradients",
+        [
+            "test_engine_lifecycle::test_loss_coupling_examples_is_refused",
+            "test_engine_lifecycle::test_parameter_used_in_the_loss_is_refused",
+        ],
+    ),
+    (
+        "Random numbers (dropout with p > 0) inside a module covered by the fallback, in training",
+        "refused at the first forward",
+        "the per-example re-run cannot reproduce them",
+        ["test_engine_layouts::test_dropout_inside_a_fallback_is_refused_in_training"],
+    ),
+]
+
+
+def markdown() -> str:
+    lines = ["| architecture / layer | status | how |", "|---|---|---|"]
+    lines += [f"| {name} | {status} | {how} |" for name, status, how, _ in ARCHITECTURES]
+    return "\n".join(lines)
+
+
+def test_every_row_is_proven_by_existing_tests():
+    from test_models import CASES
+
+    for name, _, _, refs in ARCHITECTURES:
+        assert refs, f"{name}: no test"
+        for ref in refs:
+            if ref.startswith("models:"):
+                case = ref.removeprefix("models:")
+                assert case in CASES, f"{name}: no model case {case!r}"
+                continue
+            module_name, function = ref.split("::")
+            module = importlib.import_module(module_name)
+            assert callable(getattr(module, function, None)), f"{name}: no test {ref}"
+
+
+def test_markdown_has_one_line_per_row():
+    assert len(markdown().splitlines()) == len(ARCHITECTURES) + 2
+
+
+if __name__ == "__main__":
+    print(markdown())

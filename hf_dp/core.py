@@ -415,10 +415,8 @@ class DPTrainerMixin:
             total = self._reduce_loss(self._loss_window)
             self._loss_total += self._loss_window
             self._loss_window.zero_()
-            if total[1] > 0:
-                logs["loss"] = float(total[0] / total[1])
-            else:
-                del logs["loss"]  # every batch since the last log was empty
+            # NaN when every batch since the last log was empty (Poisson batches can be)
+            logs["loss"] = float(total[0] / total[1]) if total[1] > 0 else math.nan
         if "train_loss" in logs:
             total = self._reduce_loss(self._loss_total + self._loss_window)
             logs["train_loss"] = float(total[0] / total[1]) if total[1] > 0 else math.nan

@@ -46,6 +46,17 @@ class RecordingCollate:
         return collate([{k: v for k, v in f.items() if k != "idx"} for f in features])
 
 
+class UsedBatches(DPTrainer):
+    """Records the examples of every micro-batch a training step actually used (the DataLoader may collate ahead)."""
+
+    used: list
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if "input_ids" in inputs:
+            self.used.append(sorted(tuple(row) for row in inputs["input_ids"].tolist()))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
 def rdp_reference(segments, delta):
     from hf_dp.accounting.analysis.rdp import DEFAULT_ORDERS
 
@@ -130,14 +141,13 @@ def test_resume_on_another_training_set_is_refused(tmp_dir):
 
 
 def test_second_train_draws_fresh_batches_and_accounts_all_steps(tmp_dir):
-    recorder = RecordingCollate()
-    args = dp_args(tmp_dir, max_steps=5, remove_unused_columns=False, per_device_train_batch_size=8,
-                   gradient_accumulation_steps=1)
-    trainer = DPTrainer(model=gpt2(), args=args, train_dataset=IndexedDataset(40), data_collator=recorder)
+    args = dp_args(tmp_dir, max_steps=5, per_device_train_batch_size=8, gradient_accumulation_steps=1)
+    UsedBatches.used = []
+    trainer = UsedBatches(model=gpt2(), args=args, train_dataset=ToyDataset(40), data_collator=collate)
     trainer.train()
-    first = list(recorder.batches)
+    first = list(UsedBatches.used)
     trainer.train()
-    second = recorder.batches[len(first):]
+    second = UsedBatches.used[len(first):]
     assert len(first) == len(second) == 5
     assert not any(b in first for b in second if b)  # no logical batch replayed
     assert trainer.dp_callback.steps == 10
@@ -146,17 +156,17 @@ def test_second_train_draws_fresh_batches_and_accounts_all_steps(tmp_dir):
 
 @pytest.mark.parametrize("noise_seed", [0, None])
 def test_ignore_data_skip_never_replays(tmp_dir, noise_seed):
-    recorder = RecordingCollate()
-    common = dict(max_steps=4, save_strategy="steps", save_steps=2, remove_unused_columns=False,
-                  per_device_train_batch_size=8, gradient_accumulation_steps=1, noise_seed=noise_seed)
-    dataset = IndexedDataset(40)
-    DPTrainer(model=gpt2(), args=dp_args(tmp_dir, **common), train_dataset=dataset, data_collator=recorder,
-              callbacks=[StopAt(2)]).train()
-    before = list(recorder.batches)
-    resumed = DPTrainer(model=gpt2(), args=dp_args(tmp_dir, ignore_data_skip=True, **common), train_dataset=dataset,
-                        data_collator=recorder)
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=8,
+                  gradient_accumulation_steps=1, noise_seed=noise_seed)
+    dataset = ToyDataset(40)
+    UsedBatches.used = []
+    UsedBatches(model=gpt2(), args=dp_args(tmp_dir, **common), train_dataset=dataset, data_collator=collate,
+                callbacks=[StopAt(2)]).train()
+    before = list(UsedBatches.used)
+    resumed = UsedBatches(model=gpt2(), args=dp_args(tmp_dir, ignore_data_skip=True, **common), train_dataset=dataset,
+                          data_collator=collate)
     resumed.train(resume_from_checkpoint=True)
-    after = recorder.batches[len(before):]  # (accelerate's loader may collate one batch ahead)
-    assert len(before) >= 2 and len(after) >= 2
-    assert not any(b in before for b in after if b)
+    after = UsedBatches.used[len(before):]
+    assert len(before) == 2 and len(after) == 2
+    assert not any(b in before for b in after)
     assert resumed.dp_callback.steps == 4

@@ -206,8 +206,9 @@ class TestEvaluationAndLogs:
         assert files
         events = EventAccumulator(files[0])
         events.Reload()
-        values = [e.value for e in events.Scalars("train/epsilon")]
-        assert len(values) == 3 and values == sorted(values) and values[0] > 0
+        by_step = {e.step: e.value for e in events.Scalars("train/epsilon")}
+        assert sorted(by_step) == [1, 2, 3] and list(by_step.values()) == sorted(by_step.values())
+        assert by_step[1] > 0
 
     def test_setup_is_visible_and_the_card_names_the_optimizer(self, tmp_dir, caplog):
         args = dp_args(tmp_dir, max_steps=2, noise_multiplier=None, target_epsilon=3.0, optim="adamw_torch")
@@ -293,8 +294,15 @@ def test_seq2seq_training_and_generation(tmp_dir, factory):
     changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
     assert changed == {n for n, p in model.named_parameters() if p.requires_grad}
     test = seq2seq_dataset(4, seed=1)
-    predictions = trainer.predict(test).predictions
-    assert predictions.shape[0] == 4 and predictions.shape[1] <= 6
-    eval_args = Seq2SeqTrainingArguments(output_dir=tmp_dir, report_to="none", use_cpu=True, disable_tqdm=True)
-    plain = Seq2SeqTrainer(model=model, args=eval_args, data_collator=seq2seq_collate).evaluate(test)["eval_loss"]
-    assert trainer.evaluate(test)["eval_loss"] == pytest.approx(plain, rel=1e-6)
+    plain = Seq2SeqTrainer(
+        model=model,
+        args=Seq2SeqTrainingArguments(
+            output_dir=tmp_dir, report_to="none", use_cpu=True, disable_tqdm=True, predict_with_generate=True,
+            generation_max_length=6, generation_num_beams=2,
+        ),
+        data_collator=seq2seq_collate,
+    )
+    expected, got = plain.predict(test), trainer.predict(test)
+    assert got.predictions.shape[0] == 4 and (got.predictions == expected.predictions).all()
+    assert got.metrics["test_loss"] == pytest.approx(expected.metrics["test_loss"], rel=1e-6)
+    assert trainer.evaluate(test)["eval_loss"] == pytest.approx(plain.evaluate(test)["eval_loss"], rel=1e-6)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .methods import check_accountant, segments_epsilon
-from .validation import check_delta, check_noise_multiplier, check_sample_rate
+from .methods import check_proven_accountant, segments_epsilon
+from .validation import check_delta, check_noise_multiplier, check_sample_rate, check_segments
 
 __all__ = ["PrivacyAccountant"]
 
@@ -17,7 +17,12 @@ class PrivacyAccountant:
     Args:
         noise_multiplier (`float`, *optional*): sigma used by :meth:`step` when none is given.
         sample_rate (`float`, *optional*): q used by :meth:`step` when none is given.
-        accountant (`str`, *optional*, defaults to `"rdp"`): the default for :meth:`epsilon`.
+        accountant (`str`, *optional*, defaults to `"rdp"`): the headline accountant, the default for :meth:`epsilon`;
+            one of ``PROVEN_ACCOUNTANTS`` (`"rdp"`, `"prv"`). `"gdp"` is refused here (an estimate, not a bound) but
+            can be asked for per call: ``epsilon(delta, accountant="gdp")``.
+
+    Raises:
+        ValueError: for an unknown accountant or `"gdp"`.
 
     Example:
         ```python
@@ -31,7 +36,7 @@ class PrivacyAccountant:
     def __init__(
         self, noise_multiplier: float | None = None, sample_rate: float | None = None, accountant: str = "rdp"
     ) -> None:
-        check_accountant(accountant)
+        check_proven_accountant(accountant)
         self.noise_multiplier = noise_multiplier
         self.sample_rate = sample_rate
         self.accountant = accountant
@@ -58,7 +63,8 @@ class PrivacyAccountant:
             self.history.append([float(sigma), float(q), int(n)])
 
     def epsilon(self, delta: float, accountant: str | None = None) -> float:
-        """Epsilon spent so far at ``delta`` under ``accountant`` (default: the one given at construction)."""
+        """Epsilon spent so far at ``delta`` under ``accountant`` (default: the one given at construction; any key of
+        ``ACCOUNTANTS``, so `"gdp"` gives its estimate)."""
         check_delta(delta)
         return segments_epsilon([tuple(s) for s in self.history], delta, accountant or self.accountant)
 
@@ -67,6 +73,7 @@ class PrivacyAccountant:
         return self.epsilon(delta)
 
     def state_dict(self) -> dict[str, Any]:
+        """The history and settings, as plain Python values (JSON-serialisable)."""
         return {
             "history": [list(s) for s in self.history],
             "noise_multiplier": self.noise_multiplier,
@@ -75,7 +82,14 @@ class PrivacyAccountant:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.history = [[float(s[0]), float(s[1]), int(s[2])] for s in state["history"]]
+        """Restore what :meth:`state_dict` returned.
+
+        Raises:
+            ValueError: for a malformed history, or a saved headline accountant that is not a proven bound.
+        """
+        accountant = state.get("accountant", self.accountant)
+        check_proven_accountant(accountant)
+        self.history = [list(s) for s in check_segments(state["history"], "history")]
         self.noise_multiplier = state.get("noise_multiplier", self.noise_multiplier)
         self.sample_rate = state.get("sample_rate", self.sample_rate)
-        self.accountant = state.get("accountant", self.accountant)
+        self.accountant = accountant

@@ -15,8 +15,11 @@ Why the reported epsilon is an upper bound:
 3. Floating point. The one-step curve ``delta(eps)`` is evaluated in closed form without cancellation
    (:func:`step_hockey_stick`; dp-accounting's own loses ~1e-16 absolute, which the PMF's second differences turn into
    ~1e-16 / h of spurious mass per point, and ``steps`` times that after composition), so the one-step mass is 1 to
-   ~1e-16. Composition is by FFT in float64; a grid is refused when the one-step mass errors, times the steps, exceed
-   ``PRV_MASS_TOLERANCE``.
+   ~1e-16; a grid is refused when the one-step mass errors, times the steps, exceed ``PRV_MASS_TOLERANCE``.
+   Composition is by FFT in float64, whose zero-mean rounding noise grows with the steps (at 1e6 steps it reaches
+   ~1e-10, a few % of delta = 1e-8). It shows as negative masses; epsilon is taken at ``delta`` minus twice the
+   negative mass in the tail (weighted as in delta), which covers noise of either sign. A composition whose noise
+   exceeds ``delta / 4`` is refused with a `ValueError` (e.g. 1e6 steps at delta = 1e-9): use RDP there.
 
 Error budget (tightness): within ``PRV_REFINE_RTOL`` = 0.5% of the tight value, so that calibrating with this
 accountant does not add noise the user does not need, and far inside the 2% we test against dp-accounting's PLD and
@@ -72,6 +75,10 @@ class GridRefused(Exception):
     """A discretisation grid exceeds the size limits or loses precision (internal: the caller picks another)."""
 
 
+class NoisyComposition(GridRefused):
+    """The float64 FFT noise of a composition is too large against delta (a coarser grid does not help)."""
+
+
 def _dp_accounting():
     try:
         from dp_accounting.pld import common, pld_pmf, privacy_loss_mechanism
@@ -86,6 +93,16 @@ def _dense(pmf) -> tuple[np.ndarray, float, np.ndarray]:
     probs = np.asarray(dense._probs)
     losses = (dense._lower_loss + np.arange(len(probs))) * dense._discretization
     return probs, float(dense._infinity_mass), losses
+
+
+def _log_t(u: np.ndarray, q: float) -> np.ndarray:
+    """``log(e^u - (1 - q))`` for ``e^u > 1 - q``: through ``expm1`` (exact near ``u = 0``) unless it overflows."""
+    big = u > 700
+    out = np.empty_like(u)
+    with np.errstate(divide="ignore"):  # -inf exactly at the boundary e^u = 1 - q: t = 0, a limit the formulas take
+        out[~big] = np.log(np.expm1(u[~big]) + q)
+    out[big] = u[big] + np.log1p(-(1 - q) * np.exp(-u[big]))
+    return out
 
 
 def step_hockey_stick(sigma: float, q: float, epsilons: np.ndarray, direction: str) -> tuple[np.ndarray, np.ndarray]:
@@ -104,29 +121,37 @@ def step_hockey_stick(sigma: float, q: float, epsilons: np.ndarray, direction: s
       ``g = t Psi(x / s) - q Psi((x + 1) / s)``; ``delta = 1 - e^eps``, ``g = 0`` when ``t <= 0``.
     * add (``P = N(0, s^2)``, ``Q = (1-q) N(0, s^2) + q N(1, s^2)``): ``t = e^-eps - (1 - q)``,
       ``x = s^2 log(t / q) + 1/2``, ``delta = e^eps (t Phi(x / s) - q Phi((x - 1) / s))``,
-      ``g = e^eps (q Psi((x - 1) / s) - t Psi(x / s))``; ``delta = 0``, ``g = e^eps - 1`` when ``t <= 0``.
+      ``g = e^eps (q Psi((x - 1) / s) - t Psi(x / s))``; ``delta = 0`` when ``t <= 0``.
 
     Returns:
-        `tuple[np.ndarray, np.ndarray]`: ``(delta, g)`` at each epsilon.
+        `tuple[np.ndarray, np.ndarray]`: ``(delta, g)`` at each epsilon; ``g`` only where ``eps <= 0`` (0 elsewhere).
     """
-    from scipy.special import ndtr
+    from scipy.special import log_ndtr, ndtr
 
     epsilons = np.asarray(epsilons, dtype=np.float64)
     delta, excess = np.zeros_like(epsilons), np.zeros_like(epsilons)
+    # Products t * Phi(z) go through logs: t overflows for large |eps| (tiny sigma) while Phi(z) underflows.
     if direction == "remove":
-        t = np.expm1(epsilons) + q
-        inside = t > 0
-        x, t = -(sigma**2) * np.log(t[inside] / q) - 0.5, t[inside]
-        delta[inside] = q * ndtr((x + 1) / sigma) - t * ndtr(x / sigma)
-        excess[inside] = t * ndtr(-x / sigma) - q * ndtr(-(x + 1) / sigma)
+        inside = epsilons > math.log1p(-q) if q < 1 else np.ones_like(epsilons, dtype=bool)
+        eps = epsilons[inside]
+        log_t = _log_t(eps, q)
+        x = -(sigma**2) * (log_t - math.log(q)) - 0.5
+        delta[inside] = q * ndtr((x + 1) / sigma) - np.exp(log_t + log_ndtr(x / sigma))
+        low = eps <= 0  # the excess is only used at eps <= 0 (see connect_the_dots)
+        excess[np.flatnonzero(inside)[low]] = np.exp(log_t[low] + log_ndtr(-x[low] / sigma)) - q * ndtr(
+            -(x[low] + 1) / sigma
+        )
         delta[~inside] = -np.expm1(epsilons[~inside])
     else:
-        t = np.expm1(-epsilons) + q
-        inside = t > 0
-        x, t, scale = sigma**2 * np.log(t[inside] / q) + 0.5, t[inside], np.exp(epsilons[inside])
-        delta[inside] = scale * (t * ndtr(x / sigma) - q * ndtr((x - 1) / sigma))
-        excess[inside] = scale * (q * ndtr(-(x - 1) / sigma) - t * ndtr(-x / sigma))
-        excess[~inside] = np.expm1(epsilons[~inside])
+        inside = epsilons < -math.log1p(-q) if q < 1 else np.ones_like(epsilons, dtype=bool)
+        eps = epsilons[inside]
+        log_t = _log_t(-eps, q)
+        x = sigma**2 * (log_t - math.log(q)) + 0.5
+        delta[inside] = np.exp(eps + log_t + log_ndtr(x / sigma)) - q * np.exp(eps + log_ndtr((x - 1) / sigma))
+        low = eps <= 0
+        excess[np.flatnonzero(inside)[low]] = q * np.exp(eps[low] + log_ndtr(-(x[low] - 1) / sigma)) - np.exp(
+            eps[low] + log_t[low] + log_ndtr(-x[low] / sigma)
+        )
     return np.clip(delta, 0.0, 1.0), excess
 
 
@@ -208,28 +233,30 @@ def _composed(segments: tuple[Segment, ...], interval: float, direction: str):
 
 
 def pmf_epsilon(pmf, delta: float) -> float:
-    """Smallest ``eps >= 0`` with ``delta(eps) <= delta`` for a dp-accounting dense PMF: the same quantity as its
+    """Smallest ``eps >= 0`` with ``delta(eps) <= delta`` for a dp-accounting PMF: the same quantity as its
     ``get_epsilon_for_delta``, which walks the losses down from the top in a Python loop (seconds for the million
-    points of a long run), computed with suffix sums instead.
+    points of a long run, and ``exp(-loss)`` overflows below -709), computed with suffix sums instead.
 
-    Between consecutive losses ``l_(i-1) < eps <= l_i``, ``delta(eps) = U_i - e^eps L_i`` with
-    ``U_i = m_inf + sum_(j >= i) p_j`` and ``L_i = sum_(j >= i) p_j e^-l_j``, so ``eps = log((U_i - delta) / L_i)``
-    on the highest interval whose lower end still has ``delta(l_(i-1)) > delta``.
+    On the grid ``l_i = l_0 + i h``, for ``l_(i-1) < eps <= l_i``: ``delta(eps) = U_i - e^(eps - l_i) W_i`` with
+    ``U_i = m_inf + sum_(j >= i) p_j`` and ``W_i = sum_(j >= i) p_j e^-(l_j - l_i)`` (a recursion
+    ``W_i = p_i + e^-h W_(i+1)``, so no exponent is positive), hence ``eps = l_i + log((U_i - delta) / W_i)`` on the
+    highest interval whose lower end still has ``delta(l_(i-1)) > delta``.
     """
+    from scipy.signal import lfilter
+
     probs, infinity_mass, losses = _dense(pmf)
     if infinity_mass > delta:
         return math.inf
-    if len(probs) == 0 or losses[-1] > 700 or losses[0] < -700:  # e^-loss would overflow: dp-accounting's loop
-        return max(0.0, float(pmf.get_epsilon_for_delta(delta)))
+    if len(probs) == 0:
+        return 0.0
+    decay = math.exp(-pmf.to_dense_pmf()._discretization)
     upper = infinity_mass + np.cumsum(probs[::-1])[::-1]
-    lower = np.cumsum((probs * np.exp(-losses))[::-1])[::-1]
-    # delta at each loss l_(i-1), from the masses strictly above it (i = 1 .. n-1).
-    delta_below = upper[1:] - np.exp(losses[:-1]) * lower[1:]
-    above = np.flatnonzero(delta_below > delta)
-    i = int(above[-1]) + 1 if above.size else 0
-    if upper[i] <= lower[i] + delta or lower[i] <= 0:
-        return 0.0 if upper[i] <= lower[i] + delta else max(0.0, float(losses[i]))
-    return max(0.0, math.log((upper[i] - delta) / lower[i]))
+    weighted = lfilter([1.0], [1.0, -decay], probs[::-1])[::-1]
+    above = np.flatnonzero(upper - decay * weighted > delta)  # delta(l_(i-1)) > delta
+    i = int(above[-1]) if above.size else 0
+    if upper[i] <= delta or weighted[i] <= 0:
+        return 0.0
+    return max(0.0, float(losses[i] + math.log((upper[i] - delta) / weighted[i])))
 
 
 def _canonical(segments: Sequence[Segment]) -> tuple[Segment, ...]:
@@ -255,7 +282,20 @@ def _direction_epsilon(
 ) -> float:
     if check:
         _check_composable(segments, interval, direction)
-    return pmf_epsilon(_composed(segments, interval, direction), delta)
+    composed = _composed(segments, interval, direction)
+    epsilon = pmf_epsilon(composed, delta)
+    if not math.isfinite(epsilon):
+        return epsilon
+    # FFT rounding noise (zero-mean, ~steps * 1e-16 per Fourier coefficient) shows as negative masses. Whatever it
+    # adds to delta(eps) is covered by asking for delta minus twice the noise seen below zero in the tail.
+    probs, _, losses = _dense(composed)
+    tail = (losses > epsilon) & (probs < 0)
+    noise = float(np.dot(-np.expm1(epsilon - losses[tail]), -probs[tail]))
+    if noise == 0.0:
+        return epsilon
+    if 2 * noise > delta / 2:
+        raise NoisyComposition(f"rounding noise {noise:.2g} in the composition, above delta / 4")
+    return pmf_epsilon(composed, delta - 2 * noise)
 
 
 def prv_epsilon_at(segments: Sequence[Segment], delta: float, interval: float) -> float:
@@ -295,6 +335,8 @@ def _refine_direction(
         try:
             best = _direction_epsilon(segments, delta, interval, direction)
             break
+        except NoisyComposition:
+            raise  # a coarser grid does not help
         except GridRefused:
             interval *= 2
             if interval > 2.0**10:
@@ -340,7 +382,11 @@ def _refine(segments: tuple[Segment, ...], delta: float) -> tuple[float, ...]:
 
 def prv_discretisation(segments: Sequence[Segment], delta: float) -> dict[str, float]:
     """The grid ``h`` per direction used for ``segments``: refined on the history with each segment's steps rounded
-    up to a power of two (see the module docstring), so it changes only when a count crosses a power of two."""
+    up to a power of two (see the module docstring), so it changes only when a count crosses a power of two.
+
+    Raises:
+        NoisyComposition: when float64 cannot compose the history precisely enough for ``delta``.
+    """
     segments = _canonical(segments)
     rounded = tuple((sigma, q, _round_up(steps)) for sigma, q, steps in segments)
     return dict(zip(_directions(segments), _refine(rounded, float(delta)), strict=True))
@@ -350,9 +396,13 @@ def prv_epsilon(segments: Sequence[Segment], delta: float) -> float:
     """Upper bound on epsilon at ``delta`` after the ``(noise_multiplier, sample_rate, steps)`` segments, within about
     0.5% of the tight value (see the module docstring).
 
+    Raises:
+        ValueError: when float64 cannot compose the history precisely enough for ``delta`` (e.g. 1e6 steps at
+            ``delta = 1e-9``); RDP still can.
+
     Example:
         ```python
-        >>> round(prv_epsilon([(1.0, 0.01, 1000)], 1e-5), 2)  # RDP gives 2.08
+        >>> round(prv_epsilon([(1.0, 0.01, 1000)], 1e-5), 2)  # RDP gives 2.10
         1.83
         ```
     """
@@ -361,6 +411,16 @@ def prv_epsilon(segments: Sequence[Segment], delta: float) -> float:
         return 0.0
     if any(sigma == 0 for sigma, _, _ in segments):
         return math.inf
-    intervals = prv_discretisation(segments, delta)
-    # The rounded-up history (at least as many steps in every segment) passed the checks on these grids.
-    return max(_direction_epsilon(segments, delta, h, d, check=False) for d, h in intervals.items())
+    try:
+        intervals = prv_discretisation(segments, delta)
+        # The rounded-up history (at least as many steps in every segment) passed the checks on these grids.
+        return max(_direction_epsilon(segments, delta, h, d, check=False) for d, h in intervals.items())
+    except GridRefused as err:
+        raise _imprecise(segments, delta, err) from None
+
+
+def _imprecise(segments: Sequence[Segment], delta: float, err: Exception) -> ValueError:
+    return ValueError(
+        f"The 'prv' accountant cannot compose {list(segments)} precisely enough for delta={delta:g} in float64 "
+        f'({err}). Use `accountant="rdp"` for this setting, or a larger delta.'
+    )

@@ -12,16 +12,7 @@ from dataclasses import dataclass, field
 
 from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
-from .accounting import ACCOUNTANTS
-
-try:  # TEMP(lead): until the accounting change lands
-    from .accounting import PROVEN_ACCOUNTANTS, check_proven_accountant
-except ImportError:
-    PROVEN_ACCOUNTANTS = ("prv", "rdp")
-
-    def check_proven_accountant(name):
-        if name not in PROVEN_ACCOUNTANTS:
-            raise ValueError(f"`accountant`={name!r} must be one of {PROVEN_ACCOUNTANTS}.")
+from .accounting import ACCOUNTANTS, PROVEN_ACCOUNTANTS, check_proven_accountant
 from .engine import CLIPPING_MODES
 from .losses import LOSS_TYPES
 

@@ -112,8 +112,13 @@ class DPCallback(TrainerCallback, ExportableState):
             raise RuntimeError("DPCallback.configure() was not called: delta is unknown.")
         return self.accountant.epsilon(self.delta, accountant)
 
-    def steps_within_budget(self) -> int | None:
-        """Total number of steps (taken and future, at the configured sigma and q) that keeps epsilon within budget."""
+    def steps_within_budget(self, max_future: int | None = None) -> int | None:
+        """Total number of steps (taken and future, at the configured sigma and q) that keeps epsilon within budget.
+
+        Args:
+            max_future (`int`, *optional*): search no further than this many future steps (the steps the schedule can
+                still take): the answer is then ``steps + max_future`` when all of them fit.
+        """
         if self.epsilon_budget is None:
             return None
         if self.noise_multiplier == 0:
@@ -126,11 +131,14 @@ class DPCallback(TrainerCallback, ExportableState):
 
         if not within(0):
             return self.steps
+        if max_future is not None and within(max_future):
+            return self.steps + max_future
+        limit = max_future if max_future is not None else _MAX_BUDGET_STEPS
         high = 1
-        while within(high):
-            high *= 2
-            if high > _MAX_BUDGET_STEPS:
+        while within(high):  # terminates: within(max_future) is False when a limit is given
+            if high >= limit:
                 return None
+            high = min(high * 2, limit)
         low = high // 2
         while high - low > 1:
             mid = (low + high) // 2
@@ -144,7 +152,8 @@ class DPCallback(TrainerCallback, ExportableState):
     def on_train_begin(self, args, state, control, **kwargs):
         # Every later save of this state (checkpoints, save_state) writes only released statistics.
         release_state(state, getattr(args, "publish_training_metrics", False))
-        self._budget_steps = self.steps_within_budget()
+        remaining = state.max_steps - state.global_step if state.max_steps and state.max_steps > 0 else None
+        self._budget_steps = self.steps_within_budget(remaining)
         if self._budget_steps is not None and self._budget_steps <= self.steps:
             logger.warning("The privacy budget epsilon=%s is already spent; training stops.", self.epsilon_budget)
             control.should_training_stop = True

@@ -314,7 +314,7 @@ class DPTrainerMixin:
         if is_empty_batch(inputs):  # a Poisson batch can be empty: no gradient, but the step still counts
             loss = torch.zeros((), device=self.args.device)
         else:
-            if self._needs_self_check and hasattr(self.clipper, "self_check"):  # TEMP(lead): until the engine lands
+            if self._needs_self_check:
                 self._self_check(inputs)
                 self._needs_self_check = False
             self._dp_step_active, self._per_example_loss_seen = True, False

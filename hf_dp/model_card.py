@@ -57,8 +57,8 @@ class DPModelCardData:
 
     Args:
         epsilons (`dict[str, float]`):
-            Epsilon spent at `delta` under each accountant computed, keyed `"rdp"`, `"prv"` (the upper end of the
-            PRV accountant's error interval, not its estimate) or `"gdp"`. Must hold `accountant`. A `"gdp"` entry is
+            Epsilon spent at `delta` under each accountant computed, keyed `"rdp"`, `"prv"` (the pessimistic
+            privacy-loss-distribution bound, connect-the-dots, dp-accounting) or `"gdp"`. Must hold `accountant`. A `"gdp"` entry is
             shown as an estimate, never as a bound. Bounds are rounded up on the card.
         accountant (`str`):
             The headline accountant: `"rdp"` or `"prv"` (proven upper bounds). `"gdp"` is refused at rendering.

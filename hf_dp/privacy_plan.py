@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .accounting import noise_multiplier as calibrate_noise_multiplier
+from .accounting.methods import segments_epsilon
 
 __all__ = ["DPPlan", "resolve_plan"]
 
@@ -96,6 +97,8 @@ def resolve_plan(
             sample_rate,
             remaining,
             accountant=args.accountant,
-            **({"past": [tuple(segment) for segment in past]} if past else {}),  # TEMP(lead)
+            past=[tuple(segment) for segment in past],
         )
+    if sigma > 0:  # the accountant must be able to state the epsilon of the whole plan: fail now, not at a log step
+        segments_epsilon([*map(tuple, past), (sigma, sample_rate, max(num_steps - steps_done, 0))], delta, args.accountant)
     return DPPlan(noise_multiplier=float(sigma), **draft)

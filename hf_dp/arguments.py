@@ -151,7 +151,9 @@ class DPArgumentsMixin:
     )
     noise_seed: int | None = field(
         default=None,
-        metadata={"help": "TESTS ONLY: a fixed noise seed lets anyone remove the noise. None: from the OS, never saved."},
+        metadata={
+            "help": "TESTS ONLY: a fixed noise seed lets anyone remove the noise. None: from the OS, never saved."
+        },
     )
     publish_training_metrics: bool = field(
         default=False,

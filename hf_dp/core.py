@@ -33,8 +33,9 @@ from .checks import check_before_init, check_train_dataset, dp_arguments
 from .collators import EmptyBatchSafeCollator, is_empty_batch
 from .distributed import all_reduce_sum_, broadcast_from_main
 from .engine import BookKeepingClipper
-from .losses import LABEL_NAMES, infer_loss_type, per_example_loss
 from .epsilon_plot import plot_epsilon_curve
+from .loss_scale import NoisedOverflowScalePolicy
+from .losses import LABEL_NAMES, infer_loss_type, per_example_loss
 from .model_card import DP_TAGS, DPModelCardData, render_dp_section, write_dp_model_card
 from .noise import NoiseSource
 from .privacy_plan import DPPlan, resolve_plan
@@ -92,7 +93,9 @@ class DPTrainerMixin:
         )
         if optimizer_cls_and_kwargs is not None:  # set here: Seq2SeqTrainer.__init__ does not take it
             if self.optimizer is not None:
-                raise RuntimeError("Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible.")
+                raise RuntimeError(
+                    "Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible."
+                )
             self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.loss_type = args.loss_type if args.loss_type != "auto" or compute_loss_func else infer_loss_type(model)
         self.clipper: BookKeepingClipper | None = None  # installed by train(), removed when it returns
@@ -310,6 +313,17 @@ class DPTrainerMixin:
         """Clipped per-example gradients into ``p.grad``; at the last micro-batch, the noise and the accountant."""
         if self.clipper is None:
             raise RuntimeError("DPTrainer.training_step runs inside `train()` only (the clipper is installed there).")
+        scaler = self._enabled_scaler()
+        if scaler is not None:
+            if self._scale_policy is None:
+                threshold = NoisedOverflowScalePolicy.threshold_for(
+                    self.dp_plan.noise_multiplier, self.dp_plan.expected_batch_size
+                )
+                self._scale_policy = NoisedOverflowScalePolicy(scale=float(scaler.get_scale()), threshold=threshold)
+            # The scale of this step is the policy's, never GradScaler's own (which would only ever grow: see
+            # hf_dp.loss_scale); the previous optimizer step has run, so changing it now is safe.
+            if float(scaler.get_scale()) != self._scale_policy.scale:
+                scaler.update(new_scale=self._scale_policy.scale)
         scale = self._loss_scale()
         if is_empty_batch(inputs):  # a Poisson batch can be empty: no gradient, but the step still counts
             loss = torch.zeros((), device=self.args.device)
@@ -335,14 +349,25 @@ class DPTrainerMixin:
                 )
             # The backward ran on w * sum_i loss_i: clip at w*C in its units (Li et al. 2022, App. T: K*C in fp16).
             self.clipper.finish(loss_scale=scale)
+            if scaler is not None:  # examples whose scaled gradient overflowed got weight 0: count them
+                self._dropped_examples += float((~torch.isfinite(self.clipper.per_example_norms)).sum())
         if self.accelerator.sync_gradients:
             self._ensure_grads()
+            dropped = None
+            if scaler is not None:
+                dropped = torch.tensor([self._dropped_examples], dtype=torch.float32, device=self.args.device)
+                self._dropped_examples = 0.0
             if self.accelerator.is_main_process:
-                # Noise once per logical step: the main process adds N(0, sigma^2 C^2) to its share of the sum before
-                # the all-reduce, so the global sum carries it exactly once.
-                self._add_noise(scale)
+                # Noise once per logical step: the main process adds N(0, sigma^2 C^2) to its share of the sum (and
+                # N(0, sigma^2) to the count of dropped examples) before the all-reduce, so the global sums carry it
+                # exactly once.
+                self._add_noise(scale, dropped)
             if self.accelerator.num_processes > 1:
-                all_reduce_sum_([p.grad for p in self._trainable_parameters()])
+                all_reduce_sum_(
+                    [p.grad for p in self._trainable_parameters()] + ([dropped] if dropped is not None else [])
+                )
+            if dropped is not None:
+                self._scale_policy.update(float(dropped))
             self.dp_callback.record_step(
                 noise_multiplier=self.dp_plan.noise_multiplier, sample_rate=self.dp_plan.sample_rate
             )
@@ -357,24 +382,36 @@ class DPTrainerMixin:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
 
+    def _enabled_scaler(self):
+        scaler = getattr(self.accelerator, "scaler", None)
+        return scaler if scaler is not None and scaler.is_enabled() else None
+
     @torch.no_grad()
-    def _add_noise(self, scale: float) -> None:
+    def _add_noise(self, scale: float, dropped: torch.Tensor | None = None) -> None:
         """p.grad += w * N(0, sigma^2 C^2), so that after unscaling by K the update is the DP-SGD one,
-        (sum + noise) / L. Step ``s``'s noise comes from the run's secret source (never written to disk)."""
-        std = scale * self.dp_plan.noise_multiplier * self.args.per_sample_max_grad_norm
+        (sum + noise) / L; with fp16, ``dropped`` (the count of overflowed examples) += N(0, sigma^2), drawn from
+        the same step's stream (one Gaussian mechanism: see hf_dp.loss_scale). The noise of step ``s`` comes from the
+        run's secret source (never written to disk)."""
+        sigma = self.dp_plan.noise_multiplier
+        std = scale * sigma * self.args.per_sample_max_grad_norm
         if std == 0:
             return
-        params = self._trainable_parameters()
-        by_device: dict[torch.device, list[nn.Parameter]] = {}
-        for p in params:
-            by_device.setdefault(p.grad.device, []).append(p)
-        for device, group in by_device.items():
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in self._trainable_parameters():
+            by_device.setdefault(p.grad.device, []).append(p.grad)
+        if dropped is not None:
+            by_device.setdefault(dropped.device, []).append(dropped)
+        for device, targets in by_device.items():
+            stds = [sigma if t is dropped else std for t in targets]
             noise = self._noise_source.normal(
-                step=self.dp_callback.steps, shapes=[p.shape for p in group], std=std, device=device,
+                step=self.dp_callback.steps,
+                shapes=[t.shape for t in targets],
+                std=stds,
+                device=device,
                 dtype=torch.float32,
             )
-            for p, n in zip(group, noise, strict=True):
-                p.grad.add_(n.to(p.grad.dtype))
+            for t, n in zip(targets, noise, strict=True):
+                t.add_(n.to(t.dtype))
 
     # ------------------------------------------------------------------ privacy state, logs, train
     @property
@@ -482,6 +519,8 @@ class DPTrainerMixin:
             self.model, max_grad_norm=self.args.per_sample_max_grad_norm, mode=self.args.clipping_mode
         )
         self._needs_self_check = self.args.dp_self_check
+        self._scale_policy: NoisedOverflowScalePolicy | None = None
+        self._dropped_examples = 0.0
         self._loss_window.zero_()
         self._loss_total.zero_()
         try:
@@ -565,7 +604,9 @@ class DPTrainerMixin:
     def _write_dp_section(self, output_dir: str) -> None:
         points = [(h["step"], h["epsilon"]) for h in self.state.log_history if "epsilon" in h and "step" in h]
         plot = None
-        if points and plot_epsilon_curve(points, os.path.join(output_dir, EPSILON_PLOT), accountant=self.args.accountant):
+        if points and plot_epsilon_curve(
+            points, os.path.join(output_dir, EPSILON_PLOT), accountant=self.args.accountant
+        ):
             plot = EPSILON_PLOT
         write_dp_model_card(output_dir, self.dp_model_card_section(epsilon_plot=plot))
 

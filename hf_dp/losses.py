@@ -156,7 +156,9 @@ def _token_type_loss(fn):
 
 def _causal(outputs, labels, *, reduction, label_smoothing):
     if "shift_labels" in labels:  # labels already shifted by the collator: no second shift
-        return token_loss(_logits(outputs), labels["shift_labels"], reduction=reduction, label_smoothing=label_smoothing)
+        return token_loss(
+            _logits(outputs), labels["shift_labels"], reduction=reduction, label_smoothing=label_smoothing
+        )
     return causal_lm_loss(_logits(outputs), labels["labels"], reduction=reduction, label_smoothing=label_smoothing)
 
 

@@ -58,8 +58,8 @@ class DPModelCardData:
     Args:
         epsilons (`dict[str, float]`):
             Epsilon spent at `delta` under each accountant computed, keyed `"rdp"`, `"prv"` (the pessimistic
-            privacy-loss-distribution bound, connect-the-dots, dp-accounting) or `"gdp"`. Must hold `accountant`. A `"gdp"` entry is
-            shown as an estimate, never as a bound. Bounds are rounded up on the card.
+            privacy-loss-distribution bound, connect-the-dots, dp-accounting) or `"gdp"`. Must hold `accountant`. A
+            `"gdp"` entry is shown as an estimate, never as a bound. Bounds are rounded up on the card.
         accountant (`str`):
             The headline accountant: `"rdp"` or `"prv"` (proven upper bounds). `"gdp"` is refused at rendering.
         delta (`float`):

@@ -22,6 +22,7 @@ import hashlib
 import math
 import os
 import secrets
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -75,21 +76,29 @@ class NoiseSource:
         raise TypeError("NoiseSource holds the noise secret and cannot be pickled or copied to disk.")
 
     def normal(
-        self, *, step: int, shapes: list[torch.Size | tuple[int, ...]], std: float, device, dtype: torch.dtype
+        self,
+        *,
+        step: int,
+        shapes: Sequence[torch.Size | tuple[int, ...]],
+        std: float | Sequence[float],
+        device,
+        dtype: torch.dtype,
     ) -> list[torch.Tensor]:
-        """One N(0, std^2) tensor per shape, the noise of step ``step`` (drawn in float32 or float64, then cast)."""
+        """One N(0, std^2) tensor per shape (``std`` a number, or one per shape), the noise of step ``step`` (drawn
+        in float32 or float64, then cast)."""
         device = torch.device(device)
+        stds = [float(std)] * len(shapes) if isinstance(std, int | float) else [float(s) for s in std]
         draw_dtype = torch.promote_types(dtype, torch.float32)
         if self.secure:
             out = []
-            for shape in shapes:
+            for shape, sd in zip(shapes, stds, strict=True):
                 numel = math.prod(shape)
                 total = sum(_secure_standard_normal(numel) for _ in range(4)) / 2.0
-                out.append(torch.from_numpy(total).reshape(shape).to(device=device, dtype=draw_dtype).mul_(std))
+                out.append(torch.from_numpy(total).reshape(shape).to(device=device, dtype=draw_dtype).mul_(sd))
             return [t.to(dtype) for t in out]
         generator = torch.Generator(device=device)
         generator.manual_seed(_step_seed(self._base, step, self.stream, device))
         return [
-            torch.normal(0.0, std, tuple(shape), generator=generator, device=device, dtype=draw_dtype).to(dtype)
-            for shape in shapes
+            torch.normal(0.0, sd, tuple(shape), generator=generator, device=device, dtype=draw_dtype).to(dtype)
+            for shape, sd in zip(shapes, stds, strict=True)
         ]

@@ -75,7 +75,9 @@ def resolve_plan(
             "training example in full meets this delta, so the guarantee would mean little. Set `target_delta` well "
             "below 1/N, or leave it unset for 1/(2N)."
         )
-    num_steps = args.max_steps if args.max_steps and args.max_steps > 0 else math.ceil(args.num_train_epochs / sample_rate)
+    num_steps = (
+        args.max_steps if args.max_steps and args.max_steps > 0 else math.ceil(args.num_train_epochs / sample_rate)
+    )
     draft = {
         "num_examples": num_examples,
         "expected_batch_size": expected_batch_size,
@@ -100,5 +102,7 @@ def resolve_plan(
             past=[tuple(segment) for segment in past],
         )
     if sigma > 0:  # the accountant must be able to state the epsilon of the whole plan: fail now, not at a log step
-        segments_epsilon([*map(tuple, past), (sigma, sample_rate, max(num_steps - steps_done, 0))], delta, args.accountant)
+        segments_epsilon(
+            [*map(tuple, past), (sigma, sample_rate, max(num_steps - steps_done, 0))], delta, args.accountant
+        )
     return DPPlan(noise_multiplier=float(sigma), **draft)

@@ -99,7 +99,7 @@ class TestNoiseSecret:
         assert any(p.endswith("trainer_state.json") for p in texts) and any("checkpoint-2" in p for p in texts)
         for path, raw in texts.items():
             assert str(secret).encode() not in raw, path
-            assert b"noise_seed\": " not in raw.replace(b"noise_seed\": null", b""), path
+            assert b'noise_seed": ' not in raw.replace(b'noise_seed": null', b""), path
             assert b"noise_generator" not in raw, path
 
         def regenerates(candidate):
@@ -113,7 +113,9 @@ class TestNoiseSecret:
         for value in candidates:
             if not 0 <= value < 2**128:
                 continue
-            noise = NoiseSource(value).normal(step=first_step, shapes=shapes, std=std, device="cpu", dtype=torch.float32)
+            noise = NoiseSource(value).normal(
+                step=first_step, shapes=shapes, std=std, device="cpu", dtype=torch.float32
+            )
             assert not regenerates(noise[0]), f"integer {value} regenerates the noise"
         # The RNG states the Trainer saves with checkpoints (python, numpy, torch) regenerate nothing either.
         for path in texts:
@@ -128,7 +130,9 @@ class TestNoiseSecret:
     def test_every_start_draws_a_new_secret(self, tmp_dir, monkeypatch):
         recorder = NoiseRecorder(monkeypatch)
         trainer = DPTrainer(
-            model=gpt2(), args=dp_args(tmp_dir, noise_seed=None, max_steps=1), train_dataset=ToyDataset(40),
+            model=gpt2(),
+            args=dp_args(tmp_dir, noise_seed=None, max_steps=1),
+            train_dataset=ToyDataset(40),
             data_collator=collate,
         )
         trainer.train()
@@ -151,7 +155,9 @@ class TestNoiseSecret:
         assert abs(float(x.mean())) < 0.03 and float(x.std()) == pytest.approx(2.0, rel=0.01)
         assert float(((x / 2) ** 4).mean()) == pytest.approx(3.0, rel=0.05)  # Gaussian kurtosis
         again = source.normal(step=0, shapes=[(10,)], std=1.0, device="cpu", dtype=torch.float32)[0]
-        assert not torch.equal(again, source.normal(step=0, shapes=[(10,)], std=1.0, device="cpu", dtype=torch.float32)[0])
+        assert not torch.equal(
+            again, source.normal(step=0, shapes=[(10,)], std=1.0, device="cpu", dtype=torch.float32)[0]
+        )
 
 
 class TestReleasedStatistics:

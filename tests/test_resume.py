@@ -78,12 +78,18 @@ def test_resume_with_a_fixed_noise_seed_is_bit_identical(tmp_dir):
         m.load_state_dict(copy.deepcopy(init))
         return m
 
-    full = DPTrainer(model=model(), args=dp_args(os.path.join(tmp_dir, "a"), **common), train_dataset=dataset,
-                     data_collator=collate)
+    full = DPTrainer(
+        model=model(), args=dp_args(os.path.join(tmp_dir, "a"), **common), train_dataset=dataset, data_collator=collate
+    )
     full.train()
     part_dir = os.path.join(tmp_dir, "b")
-    first = DPTrainer(model=model(), args=dp_args(part_dir, **common), train_dataset=dataset, data_collator=collate,
-                      callbacks=[StopAt(3)])
+    first = DPTrainer(
+        model=model(),
+        args=dp_args(part_dir, **common),
+        train_dataset=dataset,
+        data_collator=collate,
+        callbacks=[StopAt(3)],
+    )
     first.train()
     resumed = DPTrainer(model=model(), args=dp_args(part_dir, **common), train_dataset=dataset, data_collator=collate)
     resumed.train(resume_from_checkpoint=True)
@@ -98,8 +104,11 @@ def test_resume_with_changed_sigma_and_batch_accounts_both_segments(tmp_dir, res
     dataset = ToyDataset(40)
     common = dict(save_strategy="steps", save_steps=3, restore_callback_states_from_checkpoint=restore_callback_states)
     first = DPTrainer(
-        model=gpt2(), args=dp_args(tmp_dir, max_steps=6, noise_multiplier=2.0, **common), train_dataset=dataset,
-        data_collator=collate, callbacks=[StopAt(3)],
+        model=gpt2(),
+        args=dp_args(tmp_dir, max_steps=6, noise_multiplier=2.0, **common),
+        train_dataset=dataset,
+        data_collator=collate,
+        callbacks=[StopAt(3)],
     )
     first.train()
     args = dp_args(tmp_dir, max_steps=6, noise_multiplier=1.5, per_device_train_batch_size=8, **common)
@@ -116,11 +125,18 @@ def test_resume_recalibrates_the_rest_of_the_budget(tmp_dir):
     """target_epsilon with a larger batch after the resume: sigma of the rest is calibrated given the spent privacy."""
     dataset = ToyDataset(40)
     common = dict(save_strategy="steps", save_steps=3, noise_multiplier=None, target_epsilon=4.0, max_steps=6)
-    first = DPTrainer(model=gpt2(), args=dp_args(tmp_dir, **common), train_dataset=dataset, data_collator=collate,
-                      callbacks=[StopAt(3)])
+    first = DPTrainer(
+        model=gpt2(),
+        args=dp_args(tmp_dir, **common),
+        train_dataset=dataset,
+        data_collator=collate,
+        callbacks=[StopAt(3)],
+    )
     first.train()
     resumed = DPTrainer(
-        model=gpt2(), args=dp_args(tmp_dir, per_device_train_batch_size=8, **common), train_dataset=dataset,
+        model=gpt2(),
+        args=dp_args(tmp_dir, per_device_train_batch_size=8, **common),
+        train_dataset=dataset,
         data_collator=collate,
     )
     resumed.train(resume_from_checkpoint=True)
@@ -132,10 +148,16 @@ def test_resume_recalibrates_the_rest_of_the_budget(tmp_dir):
 
 def test_resume_on_another_training_set_is_refused(tmp_dir):
     common = dict(save_strategy="steps", save_steps=2, max_steps=4)
-    DPTrainer(model=gpt2(), args=dp_args(tmp_dir, **common), train_dataset=ToyDataset(40), data_collator=collate,
-              callbacks=[StopAt(2)]).train()
-    other = DPTrainer(model=gpt2(), args=dp_args(tmp_dir, **common), train_dataset=ToyDataset(48),
-                      data_collator=collate)
+    DPTrainer(
+        model=gpt2(),
+        args=dp_args(tmp_dir, **common),
+        train_dataset=ToyDataset(40),
+        data_collator=collate,
+        callbacks=[StopAt(2)],
+    ).train()
+    other = DPTrainer(
+        model=gpt2(), args=dp_args(tmp_dir, **common), train_dataset=ToyDataset(48), data_collator=collate
+    )
     with pytest.raises(ValueError, match="N=40"):
         other.train(resume_from_checkpoint=True)
 
@@ -147,7 +169,7 @@ def test_second_train_draws_fresh_batches_and_accounts_all_steps(tmp_dir):
     trainer.train()
     first = list(UsedBatches.used)
     trainer.train()
-    second = UsedBatches.used[len(first):]
+    second = UsedBatches.used[len(first) :]
     assert len(first) == len(second) == 5
     assert not any(b in first for b in second if b)  # no logical batch replayed
     assert trainer.dp_callback.steps == 10
@@ -156,17 +178,32 @@ def test_second_train_draws_fresh_batches_and_accounts_all_steps(tmp_dir):
 
 @pytest.mark.parametrize("noise_seed", [0, None])
 def test_ignore_data_skip_never_replays(tmp_dir, noise_seed):
-    common = dict(max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=8,
-                  gradient_accumulation_steps=1, noise_seed=noise_seed)
+    common = dict(
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=2,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        noise_seed=noise_seed,
+    )
     dataset = ToyDataset(40)
     UsedBatches.used = []
-    UsedBatches(model=gpt2(), args=dp_args(tmp_dir, **common), train_dataset=dataset, data_collator=collate,
-                callbacks=[StopAt(2)]).train()
+    UsedBatches(
+        model=gpt2(),
+        args=dp_args(tmp_dir, **common),
+        train_dataset=dataset,
+        data_collator=collate,
+        callbacks=[StopAt(2)],
+    ).train()
     before = list(UsedBatches.used)
-    resumed = UsedBatches(model=gpt2(), args=dp_args(tmp_dir, ignore_data_skip=True, **common), train_dataset=dataset,
-                          data_collator=collate)
+    resumed = UsedBatches(
+        model=gpt2(),
+        args=dp_args(tmp_dir, ignore_data_skip=True, **common),
+        train_dataset=dataset,
+        data_collator=collate,
+    )
     resumed.train(resume_from_checkpoint=True)
-    after = UsedBatches.used[len(before):]
+    after = UsedBatches.used[len(before) :]
     assert len(before) == 2 and len(after) == 2
     assert not any(b in before for b in after)
     assert resumed.dp_callback.steps == 4

@@ -33,8 +33,16 @@ SEQ = 8
 
 def tiny_bert(cls, **kw):
     cfg = BertConfig(
-        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
-        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0, **kw,
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=0,
+        **kw,
     )
     return cls(cfg)
 
@@ -57,20 +65,30 @@ def qa_dataset(n, seed=0):
         ids = torch.randint(3, VOCAB, (SEQ,), generator=g)
         start = int(torch.randint(0, SEQ - 2, (1,), generator=g))
         end = start + int(torch.randint(0, 3, (1,), generator=g))
-        items.append({"input_ids": ids, "attention_mask": torch.ones(SEQ, dtype=torch.long),
-                      "start_positions": torch.tensor(start), "end_positions": torch.tensor(end)})
+        items.append(
+            {
+                "input_ids": ids,
+                "attention_mask": torch.ones(SEQ, dtype=torch.long),
+                "start_positions": torch.tensor(start),
+                "end_positions": torch.tensor(end),
+            }
+        )
     items[0]["end_positions"] = torch.tensor(SEQ + 3)  # out of range: ignored, as in HF's QA heads
     return ListDataset(items)
 
 
 def choice_dataset(n, choices=3, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return ListDataset([
-        {"input_ids": torch.randint(3, VOCAB, (choices, SEQ), generator=g),
-         "attention_mask": torch.ones(choices, SEQ, dtype=torch.long),
-         "labels": torch.tensor(int(torch.randint(0, choices, (1,), generator=g)))}
-        for _ in range(n)
-    ])
+    return ListDataset(
+        [
+            {
+                "input_ids": torch.randint(3, VOCAB, (choices, SEQ), generator=g),
+                "attention_mask": torch.ones(choices, SEQ, dtype=torch.long),
+                "labels": torch.tensor(int(torch.randint(0, choices, (1,), generator=g))),
+            }
+            for _ in range(n)
+        ]
+    )
 
 
 def own_loss(model, example, smoothing=0.0):
@@ -95,9 +113,17 @@ def check_exact_update(model, dataset, oracle_loss, tmp_dir, **overrides):
     coef = (clip / (norms + 1e-6)).clamp(max=1.0)
     expected = [sum(coef[i] * grads[i][k] for i in range(n)) / n for k in range(len(params))]
     args = dp_args(
-        tmp_dir, noise_multiplier=0.0, per_sample_max_grad_norm=clip, optim="sgd", learning_rate=1.0,
-        lr_scheduler_type="constant", weight_decay=0.0, max_steps=1, per_device_train_batch_size=n // 2,
-        gradient_accumulation_steps=2, **overrides,
+        tmp_dir,
+        noise_multiplier=0.0,
+        per_sample_max_grad_norm=clip,
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_steps=1,
+        per_device_train_batch_size=n // 2,
+        gradient_accumulation_steps=2,
+        **overrides,
     )
     before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
     trainer = DPTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate)
@@ -136,8 +162,11 @@ class TestLossesOfEveryTask:
             return start
 
         trainer = DPTrainer(
-            model=tiny_bert(BertForQuestionAnswering), args=dp_args(tmp_dir, max_steps=1), train_dataset=qa_dataset(40),
-            data_collator=collate, compute_loss_func=loss_func,
+            model=tiny_bert(BertForQuestionAnswering),
+            args=dp_args(tmp_dir, max_steps=1),
+            train_dataset=qa_dataset(40),
+            data_collator=collate,
+            compute_loss_func=loss_func,
         )
         trainer.train()
         assert seen and all(names == ["end_positions", "start_positions"] for names in seen)
@@ -148,8 +177,12 @@ def test_overriding_compute_loss_with_a_batch_mean_is_refused(tmp_dir):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             return model(**inputs).loss  # the model's batch mean: no per-example loss reaches the engine
 
-    trainer = MeanLoss(model=gpt2(), args=dp_args(tmp_dir, max_steps=1, dp_self_check=False),
-                       train_dataset=ToyDataset(40), data_collator=collate)
+    trainer = MeanLoss(
+        model=gpt2(),
+        args=dp_args(tmp_dir, max_steps=1, dp_self_check=False),
+        train_dataset=ToyDataset(40),
+        data_collator=collate,
+    )
     with pytest.raises(ValueError, match="compute_per_example_loss"):
         trainer.train()
     assert trainer.clipper is None  # hooks removed although train() raised
@@ -167,8 +200,9 @@ class TestEvaluationAndLogs:
         torch.manual_seed(0)
         model = gpt2()
         data = ToyDataset(8, seed=3)
-        plain = Trainer(model=model, args=TrainingArguments(tmp_dir, report_to="none", use_cpu=True),
-                        data_collator=collate).evaluate(data)["eval_loss"]
+        plain = Trainer(
+            model=model, args=TrainingArguments(tmp_dir, report_to="none", use_cpu=True), data_collator=collate
+        ).evaluate(data)["eval_loss"]
         private = DPTrainer(model=model, args=dp_args(tmp_dir), data_collator=collate).evaluate(data)["eval_loss"]
         assert private == pytest.approx(plain, rel=1e-6)
 
@@ -178,8 +212,15 @@ class TestEvaluationAndLogs:
         model = gpt2()
         dataset = IndexedDataset(40)
         recorder = RecordingCollate()
-        args = dp_args(tmp_dir, max_steps=4, learning_rate=0.0, optim="sgd", remove_unused_columns=False,
-                       per_device_train_batch_size=8, gradient_accumulation_steps=1)
+        args = dp_args(
+            tmp_dir,
+            max_steps=4,
+            learning_rate=0.0,
+            optim="sgd",
+            remove_unused_columns=False,
+            per_device_train_batch_size=8,
+            gradient_accumulation_steps=1,
+        )
         trainer = DPTrainer(model=model, args=args, train_dataset=dataset, data_collator=recorder)
         trainer.train()
         logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -218,8 +259,15 @@ class TestEvaluationAndLogs:
         with caplog.at_level("WARNING"):
             trainer.train()
         line = next(r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "sigma=" in r.getMessage())
-        for text in (f"sigma={summary['noise_multiplier']:.4g}", "q=0.2", "N=40", "2 steps", "delta=0.0125",
-                     "target epsilon=3", "RDP"):
+        for text in (
+            f"sigma={summary['noise_multiplier']:.4g}",
+            "q=0.2",
+            "N=40",
+            "2 steps",
+            "delta=0.0125",
+            "target epsilon=3",
+            "RDP",
+        ):
             assert text in line, text
         trainer.save_model()
         card = open(f"{tmp_dir}/README.md", encoding="utf-8").read()
@@ -229,8 +277,9 @@ class TestEvaluationAndLogs:
 def test_the_model_is_a_plain_model_after_train(tmp_dir):
     model = gpt2()
     hooks_before = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
-    DPTrainer(model=model, args=dp_args(tmp_dir, max_steps=2), train_dataset=ToyDataset(40),
-              data_collator=collate).train()
+    DPTrainer(
+        model=model, args=dp_args(tmp_dir, max_steps=2), train_dataset=ToyDataset(40), data_collator=collate
+    ).train()
     assert [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()] == hooks_before
     copy.deepcopy(model)
     torch.save(model, f"{tmp_dir}/model.pt")
@@ -242,19 +291,44 @@ def test_the_model_is_a_plain_model_after_train(tmp_dir):
 
 def tiny_t5():
     cfg = T5Config(
-        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=24, num_layers=1, num_decoder_layers=1, num_heads=2,
-        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0, pad_token_id=0,
-        eos_token_id=1, decoder_start_token_id=0,
+        vocab_size=VOCAB,
+        d_model=16,
+        d_kv=8,
+        d_ff=24,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
     )
     return T5ForConditionalGeneration(cfg)
 
 
 def tiny_bart():
     cfg = BartConfig(
-        vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=32, dropout=0.0,
-        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=2, eos_token_id=1,
-        decoder_start_token_id=2, forced_eos_token_id=None, tie_word_embeddings=True, scale_embedding=True,
+        vocab_size=VOCAB,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=24,
+        decoder_ffn_dim=24,
+        max_position_embeddings=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=1,
+        decoder_start_token_id=2,
+        forced_eos_token_id=None,
+        tie_word_embeddings=True,
+        scale_embedding=True,
     )
     return BartForConditionalGeneration(cfg)
 
@@ -264,8 +338,12 @@ def seq2seq_dataset(n, seed=0):
     items = []
     for _ in range(n):
         src_len, tgt_len = int(torch.randint(3, SEQ, (1,), generator=g)), int(torch.randint(2, 5, (1,), generator=g))
-        items.append({"input_ids": torch.randint(3, VOCAB, (src_len,), generator=g),
-                      "labels": torch.randint(3, VOCAB, (tgt_len,), generator=g)})
+        items.append(
+            {
+                "input_ids": torch.randint(3, VOCAB, (src_len,), generator=g),
+                "labels": torch.randint(3, VOCAB, (tgt_len,), generator=g),
+            }
+        )
     return ListDataset(items)
 
 
@@ -283,9 +361,18 @@ def test_seq2seq_training_and_generation(tmp_dir, factory):
     torch.manual_seed(0)
     model = factory()
     args = DPSeq2SeqTrainingArguments(
-        output_dir=tmp_dir, report_to="none", use_cpu=True, per_device_train_batch_size=4,
-        gradient_accumulation_steps=2, max_steps=2, noise_multiplier=1.0, learning_rate=1e-3,
-        predict_with_generate=True, generation_max_length=6, generation_num_beams=2, save_strategy="no",
+        output_dir=tmp_dir,
+        report_to="none",
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        noise_multiplier=1.0,
+        learning_rate=1e-3,
+        predict_with_generate=True,
+        generation_max_length=6,
+        generation_num_beams=2,
+        save_strategy="no",
         disable_tqdm=True,
     )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -297,8 +384,13 @@ def test_seq2seq_training_and_generation(tmp_dir, factory):
     plain = Seq2SeqTrainer(
         model=model,
         args=Seq2SeqTrainingArguments(
-            output_dir=tmp_dir, report_to="none", use_cpu=True, disable_tqdm=True, predict_with_generate=True,
-            generation_max_length=6, generation_num_beams=2,
+            output_dir=tmp_dir,
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+            predict_with_generate=True,
+            generation_max_length=6,
+            generation_num_beams=2,
         ),
         data_collator=seq2seq_collate,
     )

@@ -213,10 +213,25 @@ class OddRMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * self.weight**2
 
 
+class FunctionalReuseTwo(nn.Module):
+    """Two hooked modules whose weights the parent also reads functionally: the parent's fallback covers both,
+    and neither module counts its own use while the parent runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.norm = nn.LayerNorm(D)
+
+    def forward(self, x):
+        h = self.norm(torch.tanh(self.fc(x)))
+        return h + F.linear(x, self.fc.weight) * F.layer_norm(x, (D,), self.norm.weight)
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_functional_use_of_a_hooked_weight(float64, mode):
-    clipper = _run(FunctionalReuse(), (4, 4, D), mode)
-    assert clipper.rules_used[""] == "FallbackRule"
+@pytest.mark.parametrize("build", [FunctionalReuse, FunctionalReuseTwo])
+def test_functional_use_of_a_hooked_weight(float64, mode, build):
+    clipper = _run(Model(build()), (4, 4, D), mode)
+    assert clipper.rules_used["inner"] == "FallbackRule"
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -149,6 +149,8 @@ class BookKeepingClipper:
         self._original_requires_grad = {p: p.requires_grad for p in model.parameters()}
         self._static = plan_coverage(model, allow_fallback=allow_fallback)
         self._trainable = tuple(trainable_parameters(model))
+        # the modules that can turn gradient checkpointing on (transformers sets this attribute), checked per forward
+        self._checkpointable = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
         self._plan: Plan | None = None
         self._plan_handles: list = []
         self._verification: Verification | None = None
@@ -358,9 +360,7 @@ class BookKeepingClipper:
             return None
         if self._replan_if_changed():
             self._pass = None
-        if self.model.training and any(
-            getattr(m, "gradient_checkpointing", False) is True for m in self.model.modules()
-        ):
+        if self.model.training and any(m.gradient_checkpointing is True for m in self._checkpointable):
             raise UnsupportedModuleError(
                 "Gradient checkpointing is on: it recomputes parts of the forward pass inside the backward pass, where "
                 "book-keeping cannot follow them. Call `model.gradient_checkpointing_disable()` (or set "

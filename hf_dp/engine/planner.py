@@ -67,8 +67,8 @@ class Plan:
 
     hooked: list[HookedModule]
     calls: dict[tuple[int, int], CallLayout]
-    shadowing: dict[int, list[nn.Parameter]] = field(default_factory=dict)
-    shadowed: dict[int, list[nn.Parameter]] = field(default_factory=dict)
+    shadowing: dict[int, set[nn.Parameter]] = field(default_factory=dict)
+    shadowed: dict[int, set[nn.Parameter]] = field(default_factory=dict)
 
 
 def describe_layout(layout) -> str:
@@ -433,9 +433,9 @@ def build_plan(
     for p, group in coverers.items():
         if len(group) > 1 and any(e.is_fallback for e in group):
             for e in group:
-                plan.shadowed.setdefault(id(e), []).append(p)
+                plan.shadowed.setdefault(id(e), set()).add(p)
                 if e.is_fallback:
-                    plan.shadowing.setdefault(id(e), []).append(p)
+                    plan.shadowing.setdefault(id(e), set()).add(p)
     return plan
 
 

@@ -299,3 +299,28 @@ def test_dropout_inside_a_fallback_is_refused_in_training():
     clipper.remove()
     model.eval()  # without dropout it is exact again
     check_clipper(model, [{"x": torch.randn(3, 2, D)}], lambda m, b: project(m(b["x"])), mode="bk")
+
+
+class AutocastInside(nn.Module):
+    """Enters bfloat16 autocast inside its forward, as accelerate's wrapper does (after the engine's pre-hook)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.raw = Raw()
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.raw(self.fc(x)).float()
+
+
+def test_rules_and_fallback_rerun_in_the_forward_autocast_precision():
+    torch.manual_seed(0)
+    model = AutocastInside()
+    batch = {"x": torch.randn(4, 3, D)}
+    clipper = BookKeepingClipper(model, max_grad_norm=1.0)
+    assert clipper.self_check(batch, lambda m, b: project(m(b["x"]))) < 5e-2
+    clipper.backward(project(model(batch["x"])))
+    assert dict(clipper.hooked_modules)["raw"] == "FallbackRule"
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    clipper.remove()

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..layers import Captured, Layout, UnsupportedModuleError
+from ..layers.base import autocast_state
 from ..layers.grads import FactoredGrad, PerExampleGrad, compute_dtype, inner, instantiate, merge, norm_sq, weighted_sum
 from .batch import RootBatch, root_batch, slice_batch
 from .coverage import HookedModule, plan_coverage, trainable_parameters
@@ -531,7 +532,13 @@ class BookKeepingClipper:
         out_layouts = [None if lay is None else grad_layout(lay) for lay in layout.outputs]
         in_leaves = [None if i in layout.drop else x for i, x in enumerate(in_leaves)]  # caches: proven empty here
         detached = tree_unflatten([x.detach() if isinstance(x, Tensor) else x for x in in_leaves], in_spec)
-        captured = Captured(args=detached[0], kwargs=detached[1], layouts=(layout.inputs, out_layouts), batch_size=b)
+        captured = Captured(
+            args=detached[0],
+            kwargs=detached[1],
+            layouts=(layout.inputs, out_layouts),
+            batch_size=b,
+            autocast=autocast_state(),
+        )
         use = _Use(entry, params, captured, layout)
         self._pass.uses.append(use)
         if len(tensors) == 1:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import FALLBACK_RULE, LayerRule, Layout, ScaledRule, UnsupportedModuleError
+from ..layers.base import autocast_like
 from ..layers.grads import compute_dtype, instantiate, norm_sq
 from .coverage import HookedModule
 from .probe import MIXED, CallRecord, ProbeRun, infer_layout, same_values, tolerance
@@ -170,7 +171,7 @@ def _runs_without_state(call: CallRecord, drop: tuple[int, ...]) -> bool:
     leaves = [None if i in drop else x for i, x in enumerate(leaves)]
     args, kwargs = unflatten(leaves, spec)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast_like(call.autocast):
             out = call.module(*args, **kwargs)
     except Exception:  # noqa: BLE001  (the module needs its cache: not re-runnable)
         return False
@@ -233,7 +234,7 @@ def rule_disagreement(entry: HookedModule, rule: LayerRule, call: CallRecord, la
     with torch.no_grad():
         grads = closed_form_grads(rule, module, captured, g, layout, 1, params)
     named = {n: p for n, p in module.named_parameters() if p in params}
-    with torch.enable_grad():
+    with torch.enable_grad(), autocast_like(call.autocast):
         leaves = {n: p.detach().requires_grad_(True) for n, p in named.items()}
         out = torch.func.functional_call(module, leaves, call.args, call.kwargs)
         if not isinstance(out, Tensor) or out.shape != output.shape:
@@ -241,8 +242,10 @@ def rule_disagreement(entry: HookedModule, rule: LayerRule, call: CallRecord, la
         ref = torch.autograd.grad((out * g).sum(), list(leaves.values()), allow_unused=True)
     ref = {named[n]: (torch.zeros_like(p) if r is None else r) for (n, p), r in zip(leaves.items(), ref, strict=True)}
     scale = float(sum(r.double().pow(2).sum() for r in ref.values()) ** 0.5) or 1.0
+    # under autocast the call computes in a lower precision than its parameters: the lowest one sets the tolerance
+    computed = [t.dtype for t in (output, *call.args) if isinstance(t, Tensor) and t.is_floating_point()]
     for name, p in named.items():
-        tol = tolerance(p.dtype)
+        tol = max(tolerance(dtype) for dtype in (p.dtype, *computed))
         expected = ref[p].double()
         got = grads.get(p)
         if got is None:
@@ -262,7 +265,7 @@ def rule_disagreement(entry: HookedModule, rule: LayerRule, call: CallRecord, la
 def _measure_scale(module: nn.Module, base: type, call: CallRecord) -> float | None:
     """``s`` if the module's output on the probe is ``s`` times its base class's ``forward`` on the same input."""
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast_like(call.autocast):
             ref = base.forward(module, *call.args, **call.kwargs)
     except Exception:  # noqa: BLE001  (the base class cannot run this call: not a scaled subclass)
         return None

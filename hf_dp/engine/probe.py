@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ..layers import Layout
+from ..layers.base import autocast_state
 
 __all__ = [
     "MIXED",
@@ -131,6 +132,7 @@ class CallRecord:
     output: Any = None
     in_leaves: list = field(default_factory=list)
     out_leaves: list = field(default_factory=list)
+    autocast: tuple = ()  # the autocast state the call ran under
 
 
 @dataclass
@@ -188,6 +190,7 @@ def run_probe(
         counts[id(module)] = ordinal + 1
         record = CallRecord(len(calls), module, stack[-1] if stack else None, ordinal, tuple(args), dict(kwargs))
         record.in_leaves = flatten_call(args, kwargs)
+        record.autocast = autocast_state()
         calls.append(record)
         stack.append(record.index)
 

@@ -8,7 +8,7 @@ an ordinary backward pass on each example alone (DESIGN §4.17).
 Tolerance (``SELF_CHECK_TOLERANCE``), relative to the example's total gradient norm: float64 ``1e-6``; float32
 ``1e-3`` (the batched and the one-example forward round differently); bfloat16 and float16 ``5e-2`` (their forward
 passes differ by a few units of an 8- or 11-bit mantissa). The lowest precision among the trainable parameters sets
-it.
+it, or the autocast dtype when autocast is on.
 """
 
 from __future__ import annotations
@@ -38,7 +38,11 @@ class SelfCheckError(UnsupportedModuleError):
 
 
 def _tolerance(params: list[nn.Parameter]) -> float:
-    return max((SELF_CHECK_TOLERANCE.get(p.dtype, 5e-2) for p in params), default=1e-6)
+    dtypes = {p.dtype for p in params}
+    for device in {p.device.type for p in params}:
+        if torch.is_autocast_enabled(device):  # the forward computes in the autocast dtype
+            dtypes.add(torch.get_autocast_dtype(device))
+    return max((SELF_CHECK_TOLERANCE.get(d, 5e-2) for d in dtypes), default=1e-6)
 
 
 def self_check(

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from .grads import PerExampleGrad, compute_dtype, norm_sq, weighted_sum
 
 __all__ = [
     "LAYOUT_KINDS",
+    "autocast_like",
+    "autocast_state",
     "Captured",
     "Layout",
     "LayerRule",
@@ -67,7 +71,8 @@ class Captured:
     """What the forward hook kept of one call of a module (book-keeping: references, never copies).
 
     ``layouts`` and ``batch_size`` are filled in by the engine for rules whose ``layout`` is ``"any"`` (the
-    fallback): the proven layout of every input and output tensor, and the number of examples.
+    fallback): the proven layout of every input and output tensor, and the number of examples; ``autocast`` is the
+    autocast state the call ran under (see :func:`autocast_state`), for rules that re-run the module.
     """
 
     args: tuple[Any, ...]
@@ -75,6 +80,7 @@ class Captured:
     output: Any = None
     layouts: Any = None
     batch_size: int | None = None
+    autocast: tuple = ()
 
 
 class LayerRule:
@@ -141,3 +147,17 @@ def sum_positions(x: Tensor, feature_dims: int) -> Tensor:
     """Sum over every dimension between the batch and the last ``feature_dims`` (none for ``[B, *features]``)."""
     dims = tuple(range(1, x.dim() - feature_dims))
     return x.sum(dims) if dims else x
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """``(device type, dtype)`` of every device type with autocast on (accelerate enters it inside ``forward``)."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
+
+
+@contextlib.contextmanager
+def autocast_like(state: tuple[tuple[str, torch.dtype], ...]):
+    """Re-enter the autocast state a call ran under (a re-run of a module computes in the same precision)."""
+    with contextlib.ExitStack() as stack:
+        for device, dtype in state:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        yield

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .base import Captured, LayerRule, Layout, UnsupportedModuleError
+from .base import Captured, LayerRule, Layout, UnsupportedModuleError, autocast_like
 from .grads import InstantiatedGrad, PerExampleGrad
 
 __all__ = ["FALLBACK_RULE", "FallbackRule"]
@@ -104,7 +104,8 @@ class FallbackRule(LayerRule):
 
         def objective(params: dict[str, Tensor], example_inputs: list[Tensor], example_grads: list[Tensor]) -> Tensor:
             args, kwargs = inputs.rebuild(example_inputs)
-            out = torch.func.functional_call(module, params, tuple(args), kwargs)
+            with autocast_like(captured.autocast):  # the precision the forward computed in
+                out = torch.func.functional_call(module, params, tuple(args), kwargs)
             out_leaves, _ = tree_flatten(out)
             if len(out_leaves) != len(out_layouts):
                 raise UnsupportedModuleError(

@@ -1,0 +1,201 @@
+"""The backward side of ``BookKeepingClipper``: per-example gradients from each hooked call's output gradient,
+the first-batch check that loss ``j`` depends on example ``j`` alone, norms of parameters used several times, and
+the checks that no gradient bypassed the hooks.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ..layers import UnsupportedModuleError
+from ..layers.grads import FactoredGrad, PerExampleGrad, inner, instantiate, merge, norm_sq, weighted_sum
+from .rows import closed_form_grads, foreign_rows
+from .state import Pass, Use, grad_stamp
+
+__all__ = ["BackwardBookkeeping"]
+
+
+class BackwardBookkeeping:
+    """Mixin of :class:`~hf_dp.engine.BookKeepingClipper`: what happens in and after the backward pass."""
+
+    # ------------------------------------------------------------------ backward
+    def _on_output_grads(self, use: Use, positions: list[int], grads) -> None:
+        full = [None] * len(use.layout.outputs)
+        for j, g in zip(positions, grads, strict=True):
+            full[j] = g
+        self._on_grad(use, full)
+
+    def _on_output_grad(self, use: Use, positions: list[int] | None, grad: Tensor) -> None:
+        if positions is None:
+            self._on_grad(use, grad)
+        else:
+            full = [None] * len(use.layout.outputs)
+            full[positions[0]] = grad
+            self._on_grad(use, full)
+
+    def _on_grad(self, use: Use, grad) -> None:
+        p = self._pass
+        if p is None or p.phase is None or use.captured is None:
+            return
+        if p.phase == "support":
+            self._check_support(use, grad)
+            return
+        p.grad_events += 1
+        use.grads = self._per_example_grads(use, grad)
+        for q, g in use.grads.items():
+            if p.use_counts.get(q, 0) == 1 and not p.keep_all:
+                p.norm_sq += norm_sq(g, self._norm_dtype)
+        use.captured = None  # the factors keep what the clipped sum needs; drop the rest
+        if self.mode == "ghost" and not p.keep_all:  # norms only: the second backward forms the sum
+            use.grads = {q: g for q, g in use.grads.items() if p.use_counts.get(q, 0) > 1}
+
+    def _per_example_grads(self, use: Use, grad) -> dict[nn.Parameter, PerExampleGrad]:
+        entry, b = use.entry, self._pass.size
+        with self._inert(), torch.no_grad():
+            if entry.is_fallback:
+                grads = entry.rule.per_example_grads(entry.module, use.captured, grad, set(use.params))
+            else:
+                grads = closed_form_grads(
+                    entry.rule, entry.module, use.captured, grad, use.layout.outputs[0], b, set(use.params)
+                )
+        if self.mode in ("bk-mixopt", "per-sample"):
+            for q, g in grads.items():
+                if isinstance(g, FactoredGrad) and (self.mode == "per-sample" or g.prefers_instantiation()):
+                    grads[q] = instantiate(g, g.left.dtype if isinstance(g.left, Tensor) else g.right.dtype)
+        return grads
+
+    def _check_support(self, use: Use, grad) -> None:
+        p = self._pass
+        grads = grad if isinstance(grad, list) else [grad]
+        layouts = use.layout.outputs
+        for g, lay in zip(grads, layouts, strict=False):
+            if g is None or lay is None:
+                continue
+            if foreign_rows(g, lay, p.size, p.support_example):
+                p.support_failures.append(use.entry.name)
+                return
+
+    def _support_check(self, loss: Tensor) -> None:
+        """Loss ``j`` must depend on example ``j``'s rows alone in every hooked output (checked for the first and
+        the last example, once per plan): a loss that couples examples, or root inputs that are not batch-first,
+        fail here instead of giving wrong norms."""
+        p = self._pass
+        if p.size < 2 or not loss.requires_grad or not p.uses:
+            return
+        inputs = list(self._origins.values()) + [q for q in self._trainable if q.requires_grad]
+        p.phase = "support"
+        try:
+            for j in sorted({0, p.size - 1}):
+                p.support_example = j
+                torch.autograd.grad(loss[j], inputs, allow_unused=True, retain_graph=True)
+        finally:
+            p.phase = None
+            for origin in self._origins.values():
+                origin.grad = None
+        if p.support_failures:
+            modules = sorted(set(p.support_failures))
+            raise UnsupportedModuleError(
+                f"The per-example loss of one example depends on the rows of other examples in the outputs of "
+                f"{modules[:3]}{' ...' if len(modules) > 3 else ''}: either the loss couples examples (a batch mean "
+                "or normalisation: compute one loss per example), or the model's inputs do not carry the examples "
+                "along dimension 0 (e.g. [T, B, ...]: pass batch-first inputs)."
+            )
+
+    def _shared_norm_sq(
+        self, p: Pass, grads_by_param: dict[nn.Parameter, list[PerExampleGrad]]
+    ) -> dict[nn.Parameter, list[PerExampleGrad]]:
+        """``||sum_k G_k||^2`` for parameters used more than once: uses of the same kind are merged exactly
+        (:func:`~hf_dp.layers.grads.merge`), the rest get the cross terms ``2 <G_k, G_l>``. Returns the pieces."""
+        pieces = {}
+        for q in list(grads_by_param):
+            grads = grads_by_param.pop(q)
+            if p.use_counts.get(q, 0) == 1 and not p.keep_all:
+                pieces[q] = grads
+                continue
+            parts = merge(grads) if len(grads) > 1 else grads
+            for k, gk in enumerate(parts):
+                p.norm_sq += norm_sq(gk, self._norm_dtype)
+                for gl in parts[k + 1 :]:
+                    p.norm_sq += 2 * inner(gk, gl, self._norm_dtype)
+            pieces[q] = parts
+        return pieces
+
+    def _check_no_bypass(self, p: Pass) -> None:
+        """In the one-backward modes autograd never writes ``p.grad``; if it did, a use of the parameter bypassed
+        the hooks (e.g. inside the loss, after the model's forward pass) and would leak an unclipped gradient."""
+        if self.mode == "ghost" or p.grads_before is None:
+            return
+        for q, stamp in p.grads_before.items():
+            if grad_stamp(q) != stamp:
+                raise UnsupportedModuleError(
+                    f"Trainable parameter `{self._names()[1].get(q, '?')}` received a gradient from autograd during "
+                    "the backward pass: it is used outside the model's forward pass (e.g. in the loss), where its "
+                    "gradient would not be clipped. Compute the per-example loss from the model's outputs only."
+                )
+
+    def _check_ghost_sums(self, p: Pass, pieces: dict[nn.Parameter, list[PerExampleGrad]]) -> None:
+        """Once per plan in ghost mode: autograd's gradient of the summed loss must equal the sum of the engine's
+        per-example gradients (otherwise a use escaped the hooks, e.g. in the loss)."""
+        if self._sum_checked:
+            return
+        self._sum_checked = True
+        ones = torch.ones(p.size, dtype=self._norm_dtype, device=p.norm_sq.device)
+        _, param_names = self._names()
+        for q in self._trainable:
+            expected = q.grad
+            got = None
+            for g in pieces.get(q, []):
+                part = weighted_sum(g, ones, torch.float64)
+                got = part if got is None else got + part
+            if expected is None and got is None:
+                continue
+            expected = torch.zeros_like(got) if expected is None else expected.double()
+            got = torch.zeros_like(expected) if got is None else got
+            scale = float(expected.norm())
+            if float((got - expected).norm()) > 1e-3 * max(scale, 1e-12) and float((got - expected).norm()) > 1e-30:
+                raise UnsupportedModuleError(
+                    f"Trainable parameter `{param_names.get(q, '?')}` gets a gradient that no hooked module accounts "
+                    "for (it is used outside the model's forward pass, e.g. in the loss): its per-example norm would "
+                    "be wrong. Compute the per-example loss from the model's outputs only."
+                )
+        for q in list(pieces):
+            if p.use_counts.get(q, 0) == 1:
+                pieces.pop(q)
+
+    # ------------------------------------------------------------------ self-check support
+    def _parameter_norms(
+        self, inputs: dict, per_example_loss: Callable[[nn.Module, dict], Tensor]
+    ) -> dict[nn.Parameter, Tensor]:
+        """Per-parameter per-example gradient norms of ``per_example_loss(model, inputs)``, without touching
+        ``p.grad`` or the state of the current micro-batch."""
+        saved = (self._pass, self._prepared, self._capturing, self.per_example_norms)
+        self._pass, self._prepared, self._capturing = None, False, False
+        self._force_ghost_diff = True
+        try:
+            loss = per_example_loss(self.model, inputs)
+            self._begin(loss, keep_all=True)
+            p = self._pass
+            leaves = list(self._origins.values())
+            if p.size and p.uses and leaves:
+                torch.autograd.backward(loss.sum(), inputs=leaves)
+            p.phase = None
+            grads_by_param: dict[nn.Parameter, list[PerExampleGrad]] = defaultdict(list)
+            for use in p.uses:
+                for q, g in use.grads.items():
+                    grads_by_param[q].append(g)
+            out = {}
+            with torch.no_grad():
+                for q, grads in grads_by_param.items():
+                    p.norm_sq = torch.zeros(p.size, dtype=self._norm_dtype, device=loss.device)
+                    self._shared_norm_sq(p, {q: grads})
+                    out[q] = p.norm_sq.sqrt()
+            return out
+        finally:
+            self._force_ghost_diff = False
+            for origin in self._origins.values():
+                origin.grad = None
+            self._pass, self._prepared, self._capturing, self.per_example_norms = saved

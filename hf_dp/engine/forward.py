@@ -1,0 +1,361 @@
+"""The forward side of ``BookKeepingClipper``: proving a plan on the first batch, installing it, and book-keeping
+each hooked call (inputs kept as detached references, outputs given a gradient hook).
+
+On the first forward pass after a (re)plan the root pre-hook runs the probe (:mod:`.probe`), builds the plan
+(:mod:`.planner`), checks broadcast expansions with a third sub-batch run, installs the hooks, and verifies the real
+forward pass (:mod:`.verify`). Later forward passes only switch ``requires_grad`` off (ghost differentiation), count
+calls, check each call's shapes against its proven layout, and capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections import defaultdict
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..layers import Captured, Layout, UnsupportedModuleError
+from ..layers.base import autocast_state
+from ..layers.grads import compute_dtype
+from .batch import RootBatch, root_batch, slice_batch
+from .coverage import HookedModule, plan_coverage, trainable_parameters
+from .planner import CallLayout, Plan, build_plan, expansion_changes_output, needs_third_run
+from .probe import eval_mode, frozen_rng, run_probe
+from .rows import grad_layout
+from .state import ModelHook, Pass, Use, expand_output
+from .verify import Verification
+
+logger = logging.getLogger("hf_dp.engine.clipper")
+
+__all__ = ["ForwardHooks"]
+
+
+class ForwardHooks:
+    """Mixin of :class:`~hf_dp.engine.BookKeepingClipper`: planning and the forward-pass hooks."""
+
+    # ------------------------------------------------------------------ plan
+    def _compute_norm_dtype(self) -> torch.dtype:
+        dtype = torch.float32
+        for p in self._trainable:
+            dtype = torch.promote_types(dtype, compute_dtype(p.dtype))
+        return dtype
+
+    @contextlib.contextmanager
+    def _inert(self):
+        """Every hook of the engine stands aside (the engine runs the model, a rule or the self-check itself)."""
+        self._internal += 1
+        try:
+            yield
+        finally:
+            self._internal -= 1
+
+    def _names(self) -> tuple[dict[int, str], dict[nn.Parameter, str]]:
+        modules = {}
+        for name, module in self.model.named_modules():
+            modules.setdefault(id(module), name)
+        params = {}
+        for name, p in self.model.named_parameters():
+            params.setdefault(p, name)
+        return modules, params
+
+    def _replan_if_changed(self) -> bool:
+        current = trainable_parameters(self.model)
+        if [id(p) for p in current] == [id(p) for p in self._trainable]:
+            return False
+        # requires_grad changed: check coverage again, and prove a new plan on the next batch
+        self._static = plan_coverage(self.model, allow_fallback=self.allow_fallback)
+        self._trainable = tuple(current)
+        self._norm_dtype = self._compute_norm_dtype()
+        self._uninstall()
+        return True
+
+    def _uninstall(self) -> None:
+        for handle in self._plan_handles:
+            handle.remove()
+        self._plan_handles, self._plan = [], None
+        self._verified, self._support_checked, self._sum_checked = None, False, False
+
+    def _make_plan(self, args: tuple, kwargs: dict, batch: RootBatch) -> Plan:
+        names, param_names = self._names()
+        params = {id(p): p for p in self._trainable}
+        devices = sorted({p.device for p in self.model.parameters()}, key=str)
+        with self._inert(), frozen_rng(devices):
+            try:
+                one = run_probe(self.model, *slice_batch(args, kwargs, batch, [0]), params)
+                pair = [1, 0] if batch.size > 1 else [0, 0]
+                two = run_probe(self.model, *slice_batch(args, kwargs, batch, pair), params)
+                three = None
+                if needs_third_run(one, two):  # e.g. a mask built only when some example is padded
+                    triple = [1, 1, 0] if batch.size > 1 else [0, 0, 0]
+                    three = run_probe(self.model, *slice_batch(args, kwargs, batch, triple), params)
+            except UnsupportedModuleError:
+                raise
+            except Exception as err:
+                raise UnsupportedModuleError(
+                    "hf_dp proves where the examples lie in every layer by running the model on sub-batches of 1 "
+                    f"and 2 examples cut out of this batch (dimension 0 of every input of size {batch.size}), and "
+                    f"that run failed: {type(err).__name__}: {err}. Pass batch-first inputs whose examples can be "
+                    "sliced along dimension 0."
+                ) from err
+            with eval_mode(self.model):
+                plan = build_plan(
+                    self._static, one, two, names, param_names, allow_fallback=self.allow_fallback, three=three
+                )
+            expand = {}
+            by_id = {id(e): e for e in plan.hooked}
+            for (entry_id, ordinal), layout in plan.calls.items():
+                if layout.expand:
+                    expand[(id(by_id[entry_id].module), ordinal)] = layout.expand
+            if expand:
+                try:
+                    expanded = run_probe(
+                        self.model,
+                        *slice_batch(args, kwargs, batch, pair),
+                        params,
+                        output_hook=functools.partial(expand_output, expand, 2),
+                    )
+                    changed = expansion_changes_output(two.output, expanded.output)
+                except Exception:  # noqa: BLE001  (the model cannot take the expanded tensor)
+                    changed = True
+                if changed:
+                    which = sorted({by_id[e].name for (e, _), lay in plan.calls.items() if lay.expand})
+                    raise UnsupportedModuleError(
+                        f"The outputs of {which} are the same for every example ([1, ...], e.g. position ids built "
+                        "with batch size 1); hf_dp expands them to the batch to get their per-example gradients, but "
+                        "the model does not use them as a broadcast over the examples (e.g. it runs on several rows "
+                        "per example). Pass such inputs (e.g. `position_ids`) with one row per row of the model's "
+                        "batch, or freeze their parameters."
+                    )
+        return plan
+
+    def _install(self, plan: Plan) -> None:
+        for handle in self._plan_handles:
+            handle.remove()
+        self._plan_handles = []
+        modules: dict[int, nn.Module] = {}
+        for entry in plan.hooked:
+            modules[id(entry.module)] = entry.module
+            hook = ModelHook(functools.partial(self._on_forward, entry))
+            self._plan_handles.append(
+                entry.module.register_forward_hook(hook, with_kwargs=True, prepend=True, always_call=True)
+            )
+        for module in modules.values():
+            if module is not self.model:  # the root's own start is handled by the root pre-hook
+                self._plan_handles.append(module.register_forward_pre_hook(ModelHook(self._on_module_start)))
+        self._shadow_start = {}
+        for entry in plan.hooked:
+            self._shadow_start.setdefault(id(entry.module), []).extend(plan.shadowing.get(id(entry), ()))
+        self._plan = plan
+
+    # ------------------------------------------------------------------ forward
+    def _ghost_differentiation(self) -> bool:
+        return self._force_ghost_diff or self.mode != "ghost"
+
+    def _on_root_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._internal:
+            return None
+        if self._capturing:  # the previous forward pass raised and never reached the root's post-hook
+            self._end_capture()
+            self._pass = None
+        if self._prepared:
+            logger.warning(
+                "hf_dp: a forward pass started between `prepare()` and `finish()`; the prepared micro-batch is "
+                "dropped (its `finish()` will raise)."
+            )
+            self._prepared, self._pass = False, None
+        self._shadow_depth = defaultdict(int)
+        if not torch.is_grad_enabled():
+            return None
+        if self._replan_if_changed():
+            self._pass = None
+        if self.model.training and any(m.gradient_checkpointing is True for m in self._checkpointable):
+            raise UnsupportedModuleError(
+                "Gradient checkpointing is on: it recomputes parts of the forward pass inside the backward pass, where "
+                "book-keeping cannot follow them. Call `model.gradient_checkpointing_disable()` (or set "
+                "`gradient_checkpointing=False`)."
+            )
+        batch = root_batch(self.model, args, kwargs)
+        if batch.size > 0 and self._plan is None:
+            self._install(self._make_plan(args, kwargs, batch))
+            self._pass = None
+        ghost_diff = self._ghost_differentiation()
+        p = self._pass
+        if p is None or p.size != batch.size or p.ghost_diff != ghost_diff:
+            if p is not None and p.uses:
+                logger.warning(
+                    "hf_dp: a forward pass of %d examples follows one of %d that no `prepare()` consumed; only the "
+                    "new one is book-kept.",
+                    batch.size,
+                    p.size,
+                )
+            # Several forward passes before one `prepare()` (pairs of inputs through the same model) are book-kept
+            # together: each is one more use of every parameter, with exact cross terms.
+            self._pass = Pass(batch, ghost_diff=ghost_diff)
+        self._pass.counts, self._pass.ordinal, self._pass.complete = {}, {}, False
+        if self._plan is not None and self._verified != self.model.training and batch.size > 0:
+            names, param_names = self._names()
+            self._verification = Verification(self.model, self._plan.hooked, list(self._trainable), names, param_names)
+            self._verification.start()
+        self._on_module_start(module, args)
+        self._capturing = True
+        if self._pass.ghost_diff:
+            for p in self._trainable:
+                p.requires_grad_(False)
+        return None
+
+    def _on_root_end(self, module: nn.Module, args: tuple, output) -> None:
+        if self._internal or not self._capturing:
+            return None
+        verified = self._verification is not None
+        self._end_capture()
+        if verified:
+            self._verified = self.model.training
+        if self._pass is not None:
+            self._pass.complete = True
+        return None
+
+    def _end_capture(self) -> None:
+        """Back to a plain model between forward passes: no verification mode, ``requires_grad`` restored."""
+        self._stop_verification()
+        if self._capturing and self._pass is not None and self._pass.ghost_diff:
+            for p in self._trainable:
+                p.requires_grad_(True)
+        self._capturing = False
+
+    def _stop_verification(self) -> None:
+        if self._verification is not None:
+            verification, self._verification = self._verification, None
+            verification.stop()
+
+    def _on_module_start(self, module: nn.Module, args: tuple) -> None:
+        p = self._pass
+        if self._internal or p is None:
+            return None
+        count = p.counts.get(id(module), 0)
+        p.counts[id(module)] = count + 1
+        p.ordinal[id(module)] = count
+        for q in self._shadow_start.get(id(module), ()):
+            self._shadow_depth[q] += 1
+        return None
+
+    def _origin(self, like: Tensor) -> Tensor:
+        key = (like.device, like.dtype)
+        if key not in self._origins:
+            self._origins[key] = torch.zeros((), device=like.device, dtype=like.dtype, requires_grad=True)
+        return self._origins[key]
+
+    def _on_forward(self, entry: HookedModule, module: nn.Module, args: tuple, kwargs: dict, output):
+        plan, p = self._plan, self._pass
+        if self._internal or p is None or plan is None or not self._capturing:
+            return None
+        shadowing = plan.shadowing.get(id(entry), ())
+        params = entry.params
+        shadowed = plan.shadowed.get(id(entry))
+        if shadowed:
+            skip = {q for q in shadowed if self._shadow_depth[q] - (q in shadowing) > 0}
+            if skip:
+                params = [q for q in params if q not in skip]
+        for q in shadowing:
+            self._shadow_depth[q] -= 1
+        if not params or p.size == 0 or output is None:
+            return None
+        ordinal = p.ordinal.get(id(module), 0)
+        layout = plan.calls.get((id(entry), ordinal))
+        if layout is None:
+            raise UnsupportedModuleError(
+                f"Call {ordinal} of module `{entry.name}` ({type(module).__name__}) in this forward pass was not seen "
+                "(or could not be read per example) when hf_dp proved the layouts on the first batch, in eval mode: "
+                "the model takes another path now. Keep the forward pass the same in train and eval mode, or freeze "
+                f"the parameters of `{entry.name}`."
+            )
+        if entry.is_fallback:
+            return self._capture_fallback(entry, params, module, args, kwargs, output, layout)
+        return self._capture_closed_form(entry, params, module, args, kwargs, output, layout)
+
+    def _rows_error(self, entry: HookedModule, what: str, err: ValueError) -> UnsupportedModuleError:
+        return UnsupportedModuleError(
+            f"The {what} of module `{entry.name}` ({type(entry.module).__name__}) no longer has the layout proven on "
+            f"the first batch ({err}); the model changed the way it arranges examples between batches."
+        )
+
+    def _capture_closed_form(self, entry, params, module, args, kwargs, output, layout: CallLayout):
+        b = self._pass.size
+        out_layout: Layout = layout.outputs[0]
+        if not isinstance(output, Tensor):
+            raise UnsupportedModuleError(
+                f"Module `{entry.name}` ({type(module).__name__}) returned {type(output).__name__} instead of the "
+                "tensor it returned on the first batch."
+            )
+        try:
+            out_layout.rows(output, b)
+        except ValueError as err:
+            raise self._rows_error(entry, "output", err) from err
+        captured = entry.rule.capture(module, args, kwargs, output)
+        captured.args = tuple(x.detach() if isinstance(x, Tensor) else x for x in captured.args)
+        new_output = None
+        if out_layout.broadcast:
+            output = new_output = output.expand(b, *output.shape[1:])
+        if not output.requires_grad:
+            # Ghost differentiation leaves this output without a graph (its inputs need no gradient and its
+            # parameters are switched off); a zero scalar that requires grad gives it one at ~no cost.
+            output = new_output = output + self._origin(output)
+        use = Use(entry, params, captured, layout)
+        self._pass.uses.append(use)
+        output.register_hook(functools.partial(self._on_output_grad, use, None))
+        return new_output
+
+    def _capture_fallback(self, entry, params, module, args, kwargs, output, layout: CallLayout):
+        b = self._pass.size
+        leaves, spec = tree_flatten(output)
+        if len(leaves) != len(layout.outputs):
+            raise UnsupportedModuleError(
+                f"Module `{entry.name}` ({type(module).__name__}) returned {len(leaves)} values instead of the "
+                f"{len(layout.outputs)} it returned on the first batch."
+            )
+        in_leaves, in_spec = tree_flatten((tuple(args), dict(kwargs)))
+        for leaf, lay in zip(in_leaves, layout.inputs or [], strict=False):
+            if lay is not None and isinstance(leaf, Tensor):
+                try:
+                    lay.rows(leaf, b)
+                except ValueError as err:
+                    raise self._rows_error(entry, "input", err) from err
+        positions, tensors, changed = [], [], False
+        for j, (leaf, lay) in enumerate(zip(leaves, layout.outputs, strict=True)):
+            if lay is None:
+                continue
+            if not isinstance(leaf, Tensor):
+                raise UnsupportedModuleError(f"Output {j} of module `{entry.name}` is no longer a tensor.")
+            try:
+                lay.rows(leaf, b)
+            except ValueError as err:
+                raise self._rows_error(entry, "output", err) from err
+            if lay.broadcast:
+                leaf, changed = leaf.expand(b, *leaf.shape[1:]), True
+            if not leaf.requires_grad:
+                leaf, changed = leaf + self._origin(leaf), True
+            leaves[j] = leaf
+            positions.append(j)
+            tensors.append(leaf)
+        out_layouts = [None if lay is None else grad_layout(lay) for lay in layout.outputs]
+        in_leaves = [None if i in layout.drop else x for i, x in enumerate(in_leaves)]  # caches: proven empty here
+        detached = tree_unflatten([x.detach() if isinstance(x, Tensor) else x for x in in_leaves], in_spec)
+        captured = Captured(
+            args=detached[0],
+            kwargs=detached[1],
+            layouts=(layout.inputs, out_layouts),
+            batch_size=b,
+            autocast=autocast_state(),
+        )
+        use = Use(entry, params, captured, layout)
+        self._pass.uses.append(use)
+        if len(tensors) == 1:
+            tensors[0].register_hook(functools.partial(self._on_output_grad, use, positions))
+        elif tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, functools.partial(self._on_output_grads, use, positions), mode="all"
+            )
+        return tree_unflatten(leaves, spec) if changed else None

@@ -1,0 +1,87 @@
+"""State of the engine between hooks: the hooks it puts on the model, one call of a hooked module, one pass."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..layers import Captured
+from ..layers.grads import PerExampleGrad
+from .batch import RootBatch
+from .coverage import HookedModule
+from .planner import CallLayout
+
+__all__ = ["ModelHook", "Pass", "Use", "expand_output", "grad_stamp"]
+
+
+class ModelHook:
+    """A hook the engine puts on the user's model. A deep copy or a pickle of the model gets an inert one, so that
+    ``copy.deepcopy(model)`` and ``torch.save(model)`` work while the clipper is installed (the copy is plain)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable | None = None) -> None:
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return None if self.fn is None else self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo) -> ModelHook:
+        return ModelHook()
+
+    def __reduce__(self):
+        return (ModelHook, ())
+
+
+@dataclass(eq=False)
+class Use:
+    """One call of a hooked module in the current forward pass."""
+
+    entry: HookedModule
+    params: list[nn.Parameter]
+    captured: Captured | None
+    layout: CallLayout
+    grads: dict[nn.Parameter, PerExampleGrad] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Pass:
+    """State of one forward/backward pass."""
+
+    batch: RootBatch
+    ghost_diff: bool
+    keep_all: bool = False  # keep every per-use gradient (the self-check's per-parameter norms)
+    ordinal: dict[int, int] = field(default_factory=dict)  # module -> ordinal of its current call
+    counts: dict[int, int] = field(default_factory=dict)
+    uses: list[Use] = field(default_factory=list)
+    phase: str | None = None  # None, "record" (our backward), "support" (the first-batch layout check)
+    support_example: int = 0
+    support_failures: list[str] = field(default_factory=list)
+    norm_sq: Tensor | None = None
+    use_counts: dict[nn.Parameter, int] = field(default_factory=dict)
+    grad_events: int = 0
+    grads_before: dict | None = None  # ghost mode: p.grad before the first backward; bk: (id, version) of p.grad
+    complete: bool = False  # the forward pass returned
+
+    @property
+    def size(self) -> int:
+        return self.batch.size
+
+
+def grad_stamp(p: nn.Parameter) -> tuple:
+    g = p.grad
+    return (None, None) if g is None else (id(g), g._version)
+
+
+def expand_output(expand: dict, batch_size: int, record, output):
+    """Probe output hook: expand the proven ``[1, ...]`` outputs of the listed calls to the batch."""
+    positions = expand.get((id(record.module), record.ordinal))
+    if not positions:
+        return None
+    leaves, spec = tree_flatten(output)
+    for j in positions:
+        leaves[j] = leaves[j].expand(batch_size, *leaves[j].shape[1:])
+    return tree_unflatten(leaves, spec)

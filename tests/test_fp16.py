@@ -56,11 +56,11 @@ def test_forced_overflow_backs_off_and_training_recovers(tmp_dir, monkeypatch):
         gradient_accumulation_steps=1, learning_rate=1e-2, per_sample_max_grad_norm=1.0,
     )
     trainer = with_cpu_fp16(DPTrainer(model=model, args=args, train_dataset=ToyDataset(40), data_collator=collate),
-                            init_scale=2.0**32)
+                            init_scale=2.0**26)
     trainer.train()
     scales = [s for s, _ in counts]
     assert counts[0][1] > 1  # the first steps drop (nearly) every example, and the noised count says so
-    assert scales[0] == 2.0**32 and scales[-1] < 2.0**32 / 2**5  # backed off step after step
+    assert scales[0] == 2.0**26 and scales[-1] <= 2.0**26 / 2**5  # backed off step after step
     assert all(n <= 1 for _, n in counts[-3:])  # recovered: the last steps keep their examples
     assert trainer.dp_callback.steps == 14  # every step counted, none skipped
 

@@ -131,6 +131,12 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
         ],
     ),
     (
+        "Multiple choice (`[B, choices, T]` flattened to `[B * choices, T]`, `[1, T]` position ids)",
+        f"exact: {ALL} (the number of choices fixed by the first batch)",
+        "the shared `[1, T, d]` position embeddings expanded to the rows of each example",
+        ["test_engine_layouts::test_broadcast_over_several_rows_per_example"],
+    ),
+    (
         "Two forward passes of the model before one loss (pairs of inputs)",
         f"exact: {ALL}",
         "both passes book-kept, cross terms exact",

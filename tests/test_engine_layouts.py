@@ -324,3 +324,26 @@ def test_rules_and_fallback_rerun_in_the_forward_autocast_precision():
     assert dict(clipper.hooked_modules)["raw"] == "FallbackRule"
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     clipper.remove()
+
+
+class MultipleChoice(nn.Module):
+    """[B, choices, T] ids flattened to [B * choices, T]; position embeddings looked up with [1, T] ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(7, D)
+        self.pos = nn.Embedding(6, D)
+        self.score = nn.Linear(D, 1)
+
+    def forward(self, x):
+        b, c, t = x.shape
+        h = self.tok(x.reshape(b * c, t)) + self.pos(torch.arange(t).unsqueeze(0))
+        return self.score(torch.tanh(h)).reshape(b, c, t)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_broadcast_over_several_rows_per_example(float64, mode):
+    torch.manual_seed(0)
+    batches = [{"x": torch.randint(0, 7, (3, 2, 3))}, {"x": torch.randint(0, 7, (2, 2, 3))}]  # B == T; B == choices
+    clipper = check_clipper(MultipleChoice(), batches, lambda m, b: project(m(b["x"])), mode=mode)
+    assert clipper.rules_used["pos"] == "EmbeddingRule"

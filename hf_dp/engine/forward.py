@@ -13,6 +13,7 @@ import contextlib
 import functools
 import logging
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -105,12 +106,19 @@ class ForwardHooks:
                 plan = build_plan(
                     self._static, one, two, names, param_names, allow_fallback=self.allow_fallback, three=three
                 )
-            expand = {}
             by_id = {id(e): e for e in plan.hooked}
-            for (entry_id, ordinal), layout in plan.calls.items():
-                if layout.expand:
-                    expand[(id(by_id[entry_id].module), ordinal)] = layout.expand
-            if expand:
+            expanding = [(key, layout) for key, layout in plan.calls.items() if layout.expand]
+            # Expand [1, ...] outputs to `repeat` rows per example: 1, else the rows per example the model runs on
+            # (multiple choice flattens [B, choices, T] to [B * choices, T]); keep the first that leaves the model's
+            # output unchanged on the probe.
+            changed = bool(expanding)
+            for repeat in plan.repeats if expanding else ():
+                expand = {}
+                for (entry_id, ordinal), layout in expanding:
+                    layout.outputs = [
+                        replace(x, repeat=repeat) if j in layout.expand else x for j, x in enumerate(layout.outputs)
+                    ]
+                    expand[(id(by_id[entry_id].module), ordinal)] = [(j, repeat) for j in layout.expand]
                 try:
                     expanded = run_probe(
                         self.model,
@@ -121,15 +129,17 @@ class ForwardHooks:
                     changed = expansion_changes_output(two.output, expanded.output)
                 except Exception:  # noqa: BLE001  (the model cannot take the expanded tensor)
                     changed = True
-                if changed:
-                    which = sorted({by_id[e].name for (e, _), lay in plan.calls.items() if lay.expand})
-                    raise UnsupportedModuleError(
-                        f"The outputs of {which} are the same for every example ([1, ...], e.g. position ids built "
-                        "with batch size 1); hf_dp expands them to the batch to get their per-example gradients, but "
-                        "the model does not use them as a broadcast over the examples (e.g. it runs on several rows "
-                        "per example). Pass such inputs (e.g. `position_ids`) with one row per row of the model's "
-                        "batch, or freeze their parameters."
-                    )
+                if not changed:
+                    break
+            if changed:
+                which = sorted({by_id[e].name for (e, _), lay in plan.calls.items() if lay.expand})
+                raise UnsupportedModuleError(
+                    f"The outputs of {which} are the same for every example ([1, ...], e.g. position ids built "
+                    "with batch size 1); hf_dp expands them to the batch to get their per-example gradients, but "
+                    "the model does not use them as a broadcast over the examples (e.g. it runs on several rows "
+                    "per example). Pass such inputs (e.g. `position_ids`) with one row per row of the model's "
+                    "batch, or freeze their parameters."
+                )
         return plan
 
     def _install(self, plan: Plan) -> None:
@@ -298,7 +308,7 @@ class ForwardHooks:
         captured.args = tuple(x.detach() if isinstance(x, Tensor) else x for x in captured.args)
         new_output = None
         if out_layout.broadcast:
-            output = new_output = output.expand(b, *output.shape[1:])
+            output = new_output = output.expand(b * out_layout.repeat, *output.shape[1:])
         if not output.requires_grad:
             # Ghost differentiation leaves this output without a graph (its inputs need no gradient and its
             # parameters are switched off); a zero scalar that requires grad gives it one at ~no cost.
@@ -334,7 +344,7 @@ class ForwardHooks:
             except ValueError as err:
                 raise self._rows_error(entry, "output", err) from err
             if lay.broadcast:
-                leaf, changed = leaf.expand(b, *leaf.shape[1:]), True
+                leaf, changed = leaf.expand(b * lay.repeat, *leaf.shape[1:]), True
             if not leaf.requires_grad:
                 leaf, changed = leaf + self._origin(leaf), True
             leaves[j] = leaf

@@ -70,6 +70,7 @@ class Plan:
     calls: dict[tuple[int, int], CallLayout]
     shadowing: dict[int, set[nn.Parameter]] = field(default_factory=dict)
     shadowed: dict[int, set[nn.Parameter]] = field(default_factory=dict)
+    repeats: tuple[int, ...] = (1,)  # rows per example seen along dimension 0: how far a broadcast may expand
 
 
 def describe_layout(layout) -> str:
@@ -417,7 +418,14 @@ def build_plan(
                 extra.name,
             )
 
-    plan = Plan(hooked=final, calls={})
+    rows = set()
+    for call in one.calls:
+        leaves = call.in_leaves + call.out_leaves
+        for leaf, layout in zip(leaves, layouts.inputs[call.index] + layouts.outputs[call.index], strict=False):
+            batched = isinstance(layout, Layout) and layout.dim == 0 and not layout.broadcast
+            if batched and isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] > 1:
+                rows.add(leaf.shape[0])
+    plan = Plan(hooked=final, calls={}, repeats=(1, *sorted(rows)))
     for entry in final:
         for call in calls_of.get(id(entry.module), []):
             if entry.is_fallback:

@@ -22,7 +22,7 @@ __all__ = ["closed_form_grads", "foreign_rows", "grad_layout", "to_rows"]
 def to_rows(t: Tensor, layout: Layout, batch_size: int) -> Tensor:
     """``t`` with the rows of the examples along dimension 0 (``k * batch_size`` of them, example-contiguous)."""
     if layout.broadcast:
-        return t.expand(batch_size, *t.shape[1:])
+        return t.expand(batch_size * layout.repeat, *t.shape[1:])
     return t if layout.dim == 0 else t.movedim(layout.dim, 0)
 
 

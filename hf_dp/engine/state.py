@@ -82,6 +82,6 @@ def expand_output(expand: dict, batch_size: int, record, output):
     if not positions:
         return None
     leaves, spec = tree_flatten(output)
-    for j in positions:
-        leaves[j] = leaves[j].expand(batch_size, *leaves[j].shape[1:])
+    for j, repeat in positions:
+        leaves[j] = leaves[j].expand(batch_size * repeat, *leaves[j].shape[1:])
     return tree_unflatten(leaves, spec)

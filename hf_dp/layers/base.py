@@ -47,11 +47,13 @@ class Layout:
     """Where the examples lie in one tensor of a call: along dimension ``dim``, whose size is ``k * B`` for ``B``
     examples, example ``i`` owning the contiguous rows ``i*k .. i*k+k-1`` (``k = 1``: a plain batch dimension; OPT's
     ``[B*T, d]``: ``k = T``). ``broadcast``: the tensor has size 1 along ``dim`` (= 0) and is the same for every
-    example (HF position ids ``[1, T]``); the engine expands it to the batch.
+    example (HF position ids ``[1, T]``); the engine expands it to ``repeat`` rows per example (more than one when
+    the model runs on several rows per example, e.g. multiple choice: ``[B * choices, T]``).
     """
 
     dim: int
     broadcast: bool = False
+    repeat: int = 1
 
     def rows(self, t: Tensor, batch_size: int) -> int:
         """``k`` for ``t`` (raises ``ValueError`` if ``t`` does not fit this layout for ``batch_size`` examples)."""

@@ -195,7 +195,7 @@ def mlm_loss(model, batch):
     return masked_lm_loss(logits, batch["labels"], reduction="mean")
 
 
-def t5(trainable_bias=True):
+def t5(trainable_bias=True, dropout=0.0):
     """T5 with its relative attention bias trainable (indexed by ``[q, k]`` bucket ids, no batch dimension)."""
     cfg = T5Config(
         vocab_size=VOCAB,
@@ -207,7 +207,7 @@ def t5(trainable_bias=True):
         num_heads=2,
         relative_attention_num_buckets=8,
         relative_attention_max_distance=16,
-        dropout_rate=0.0,
+        dropout_rate=dropout,
         pad_token_id=0,
         decoder_start_token_id=0,
         tie_word_embeddings=True,
@@ -381,10 +381,17 @@ def deit():
     return DeiTForImageClassification(DeiTConfig(**_VISION))
 
 
-def beit():
+def beit(dropout=0.0):
     """BEiT: a relative position bias table per layer (``[1, heads, N, N]``, shared by every example) and layer
-    scales (raw parameters read in the layer's forward)."""
-    cfg = BeitConfig(**_VISION, use_relative_position_bias=True, use_mean_pooling=True, layer_scale_init_value=0.1)
+    scales (raw parameters read in the layer's forward); ``dropout``: attention dropout and stochastic depth."""
+    vision = {**_VISION, "attention_probs_dropout_prob": dropout}
+    cfg = BeitConfig(
+        **vision,
+        use_relative_position_bias=True,
+        use_mean_pooling=True,
+        layer_scale_init_value=0.1,
+        drop_path_rate=dropout,
+    )
     return BeitForImageClassification(cfg)
 
 

@@ -54,10 +54,14 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
     ),
     (
         "T5 with trainable relative attention bias",
-        f"exact: {ALL}; refused in training if the attention dropout is > 0",
+        f"exact: {ALL}, with dropout",
         "bias: fallback on the first attention module of each stack (re-run per example), its `[1, h, q, k]` "
-        "output expanded to the batch; the rest closed forms",
-        ["models:t5", "test_engine_layouts::test_table_without_batch_dimension_is_covered_by_its_parent"],
+        "output expanded to the batch, its attention dropout masks replayed; the rest closed forms",
+        [
+            "models:t5",
+            "test_engine_layouts::test_table_without_batch_dimension_is_covered_by_its_parent",
+            "test_engine_layouts::test_models_with_dropout_in_fallback_modules",
+        ],
     ),
     (
         "ViT, DeiT",
@@ -67,9 +71,10 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
     ),
     (
         "BEiT (relative position bias, layer scale)",
-        f"exact: {ALL}; refused in training if `drop_path_rate` > 0 and the layer scales are trained",
-        "bias table: fallback on its module, output expanded; layer scales: fallback on each layer",
-        ["models:beit"],
+        f"exact: {ALL}, with stochastic depth and attention dropout",
+        "bias table: fallback on its module, output expanded; layer scales: fallback on each layer (re-run per "
+        "example, dropout masks and stochastic-depth draws replayed)",
+        ["models:beit", "test_engine_layouts::test_models_with_dropout_in_fallback_modules"],
     ),
     # layers and patterns
     (
@@ -177,10 +182,16 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
         ],
     ),
     (
-        "Random numbers (dropout with p > 0) inside a module covered by the fallback, in training",
+        "Dropout, stochastic depth, any `torch.rand*`/`bernoulli` draw inside a module covered by the fallback",
+        f"exact: {ALL}",
+        "recorded in the forward pass, replayed per example in the re-run (`hf_dp/layers/replay.py`)",
+        ["test_engine_layouts::test_dropout_inside_a_fallback_is_replayed"],
+    ),
+    (
+        "Alpha dropout inside a module covered by the fallback, in training",
         "refused at the first forward",
-        "the per-example re-run cannot reproduce them",
-        ["test_engine_layouts::test_dropout_inside_a_fallback_is_refused_in_training"],
+        "its draws cannot be replayed per example",
+        ["test_engine_layouts::test_random_draws_that_cannot_be_replayed_are_refused"],
     ),
 ]
 

@@ -282,23 +282,82 @@ def test_two_forward_passes_before_one_loss(float64, mode):
     check_clipper(model, [{"x": torch.randn(4, 4, D)}, {"x": torch.randn(3, 4, D)}], pair_loss, mode=mode)
 
 
-def test_dropout_inside_a_fallback_is_refused_in_training():
-    class Noisy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.scale = nn.Parameter(torch.ones(D))
-            self.drop = nn.Dropout(0.1)
+class Noisy(nn.Module):
+    """Raw parameters (the fallback) and dropout inside the same module."""
 
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(D) + 0.1 * torch.randn(D))
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.drop(torch.sin(x * self.scale))
+
+
+def _same_forward_oracle(model, batch, loss_fn):
+    """Per-example norms by autograd on the very forward pass the engine book-keeps (same dropout masks): ghost mode
+    keeps the parameters in the graph, so each loss can be differentiated before the engine's backward."""
+    clipper = BookKeepingClipper(model.train(), max_grad_norm=1e9, mode="ghost")
+    loss = loss_fn(model, batch)
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected = []
+    for i in range(loss.shape[0]):
+        grads = torch.autograd.grad(loss[i], params, retain_graph=True, allow_unused=True)
+        expected.append(torch.sqrt(sum((g**2).sum() for g in grads if g is not None)))
+    clipper.backward(loss)
+    rules = dict(clipper.hooked_modules)
+    clipper.remove()
+    return clipper.per_example_norms, torch.stack(expected), rules
+
+
+def test_dropout_inside_a_fallback_is_replayed(float64):
+    torch.manual_seed(0)
+    got, expected, rules = _same_forward_oracle(
+        Model(Noisy()), {"x": torch.randn(4, 4, D)}, lambda m, b: project(m(b["x"]))
+    )
+    assert rules["inner"] == "FallbackRule"
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=0)
+    # the one-backward modes draw the same masks from the same seed, and agree with ghost mode
+    x = torch.randn(4, 4, D)
+    results = []
+    for mode in MODES:
+        torch.manual_seed(1)
+        model = Model(Noisy()).train()
+        clipper = BookKeepingClipper(model, max_grad_norm=0.5, mode=mode)
+        clipper.backward(project(model(x)))
+        results.append((clipper.per_example_norms, model.inner.scale.grad))
+        clipper.remove()
+    for norms, grad in results[1:]:
+        torch.testing.assert_close(norms, results[0][0], rtol=1e-9, atol=0)
+        torch.testing.assert_close(grad, results[0][1], rtol=1e-9, atol=1e-15)
+
+
+def test_random_draws_that_cannot_be_replayed_are_refused():
+    class Alpha(Noisy):
         def forward(self, x):
-            return self.drop(x * self.scale)
+            return F.alpha_dropout(x * self.scale, 0.2, training=self.training)
 
-    model = Model(Noisy()).train()
+    model = Model(Alpha()).train()
     clipper = BookKeepingClipper(model, max_grad_norm=1.0)
-    with pytest.raises(UnsupportedModuleError, match="random numbers"):
+    with pytest.raises(UnsupportedModuleError, match="cannot replay"):
         model(torch.randn(3, 2, D))
     clipper.remove()
-    model.eval()  # without dropout it is exact again
-    check_clipper(model, [{"x": torch.randn(3, 2, D)}], lambda m, b: project(m(b["x"])), mode="bk")
+
+
+@pytest.mark.parametrize("name", ["t5", "beit"])
+def test_models_with_dropout_in_fallback_modules(float64, name):
+    """T5's attention dropout (around its relative bias) and BEiT's stochastic depth and attention dropout (around
+    its layer scales) run inside modules the fallback re-runs: their masks are replayed per example."""
+    from models import beit, image_batches, image_loss, seq2seq_batches, seq2seq_loss, t5
+
+    torch.manual_seed(0)
+    model, batch, loss_fn = {
+        "t5": (lambda: t5(dropout=0.2), lambda: seq2seq_batches()[0], seq2seq_loss),
+        "beit": (lambda: beit(dropout=0.2), lambda: image_batches()[0], image_loss),
+    }[name]
+    got, expected, rules = _same_forward_oracle(model().double(), batch(), loss_fn)
+    assert "FallbackRule" in rules.values()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
 
 
 class AutocastInside(nn.Module):

@@ -105,6 +105,9 @@ class BookKeepingClipper(ForwardHooks, BackwardBookkeeping):
         self._force_ghost_diff = False
         self._shadow_depth: dict[nn.Parameter, int] = defaultdict(int)
         self._shadow_start: dict[int, list[nn.Parameter]] = {}
+        self._fallback_modules: set[int] = set()
+        self._record_random = False
+        self._recorder = None
         self._origins: dict[tuple, Tensor] = {}
         self._norm_dtype = self._compute_norm_dtype()
         self._root_handles = [

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..layers import Captured, Layout, UnsupportedModuleError
 from ..layers.base import autocast_state
 from ..layers.grads import compute_dtype
+from ..layers.replay import RandomRecorder
 from .batch import RootBatch, root_batch, slice_batch
 from .coverage import HookedModule, plan_coverage, trainable_parameters
 from .planner import CallLayout, Plan, build_plan, expansion_changes_output, needs_third_run
@@ -156,6 +157,7 @@ class ForwardHooks:
         for module in modules.values():
             if module is not self.model:  # the root's own start is handled by the root pre-hook
                 self._plan_handles.append(module.register_forward_pre_hook(ModelHook(self._on_module_start)))
+        self._fallback_modules = {id(entry.module) for entry in plan.hooked if entry.is_fallback}
         self._shadow_start = {}
         for entry in plan.hooked:
             self._shadow_start.setdefault(id(entry.module), []).extend(plan.shadowing.get(id(entry), ()))
@@ -210,6 +212,8 @@ class ForwardHooks:
             names, param_names = self._names()
             self._verification = Verification(self.model, self._plan.hooked, list(self._trainable), names, param_names)
             self._verification.start()
+        # dropout in a module the fallback re-runs per example is recorded, to be replayed in the re-run
+        self._record_random = self.model.training and bool(self._fallback_modules)
         self._on_module_start(module, args)
         self._capturing = True
         if self._pass.ghost_diff:
@@ -230,6 +234,11 @@ class ForwardHooks:
 
     def _end_capture(self) -> None:
         """Back to a plain model between forward passes: no verification mode, ``requires_grad`` restored."""
+        if self._recorder is not None:
+            recorder, self._recorder = self._recorder, None
+            recorder.frames = []
+            recorder.__exit__(None, None, None)
+        self._record_random = False
         self._stop_verification()
         if self._capturing and self._pass is not None and self._pass.ghost_diff:
             for p in self._trainable:
@@ -250,7 +259,22 @@ class ForwardHooks:
         p.ordinal[id(module)] = count
         for q in self._shadow_start.get(id(module), ()):
             self._shadow_depth[q] += 1
+        if self._record_random and id(module) in self._fallback_modules:
+            if self._recorder is None:
+                self._recorder = RandomRecorder()
+                self._recorder.__enter__()
+            self._recorder.frames.append([])
         return None
+
+    def _pop_random_frame(self) -> list:
+        recorder = self._recorder
+        if recorder is None or not recorder.frames:
+            return []
+        frame = recorder.frames.pop()
+        if not recorder.frames:
+            self._recorder = None
+            recorder.__exit__(None, None, None)
+        return frame
 
     def _origin(self, like: Tensor) -> Tensor:
         key = (like.device, like.dtype)
@@ -262,6 +286,7 @@ class ForwardHooks:
         plan, p = self._plan, self._pass
         if self._internal or p is None or plan is None or not self._capturing:
             return None
+        random = self._pop_random_frame() if entry.is_fallback and self._record_random else []
         shadowing = plan.shadowing.get(id(entry), ())
         params = entry.params
         shadowed = plan.shadowed.get(id(entry))
@@ -283,7 +308,7 @@ class ForwardHooks:
                 f"the parameters of `{entry.name}`."
             )
         if entry.is_fallback:
-            return self._capture_fallback(entry, params, module, args, kwargs, output, layout)
+            return self._capture_fallback(entry, params, module, args, kwargs, output, layout, random)
         return self._capture_closed_form(entry, params, module, args, kwargs, output, layout)
 
     def _rows_error(self, entry: HookedModule, what: str, err: ValueError) -> UnsupportedModuleError:
@@ -318,7 +343,7 @@ class ForwardHooks:
         output.register_hook(functools.partial(self._on_output_grad, use, None))
         return new_output
 
-    def _capture_fallback(self, entry, params, module, args, kwargs, output, layout: CallLayout):
+    def _capture_fallback(self, entry, params, module, args, kwargs, output, layout: CallLayout, random: list):
         b = self._pass.size
         leaves, spec = tree_flatten(output)
         if len(leaves) != len(layout.outputs):
@@ -359,6 +384,7 @@ class ForwardHooks:
             layouts=(layout.inputs, out_layouts),
             batch_size=b,
             autocast=autocast_state(),
+            random=random,
         )
         use = Use(entry, params, captured, layout)
         self._pass.uses.append(use)

@@ -74,7 +74,8 @@ class Captured:
 
     ``layouts`` and ``batch_size`` are filled in by the engine for rules whose ``layout`` is ``"any"`` (the
     fallback): the proven layout of every input and output tensor, and the number of examples; ``autocast`` is the
-    autocast state the call ran under (see :func:`autocast_state`), for rules that re-run the module.
+    autocast state the call ran under (see :func:`autocast_state`), for rules that re-run the module; ``random`` the
+    random draws of the call (:mod:`.replay`).
     """
 
     args: tuple[Any, ...]
@@ -83,6 +84,7 @@ class Captured:
     layouts: Any = None
     batch_size: int | None = None
     autocast: tuple = ()
+    random: list = field(default_factory=list)
 
 
 class LayerRule:

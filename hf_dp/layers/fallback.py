@@ -12,13 +12,14 @@ submodules (a module the engine made responsible for parameters used inside its 
 every input and output tensor, which dimension carries the examples (:class:`~hf_dp.layers.base.Layout`); inputs
 without one (masks, position ids shared by every example) are passed whole to every example.
 
-Exact only if the re-run computes what the original forward did: the engine refuses modules that draw random
-numbers (dropout with ``p > 0`` in training) inside a fallback, and this rule refuses a module that changes its
-buffers when run (running statistics).
+Exact only if the re-run computes what the original forward did: random draws (dropout in training) recorded in
+the forward pass are replayed per example (:mod:`.replay`, with the loop), and a module that changes its buffers
+when run (running statistics) is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .base import Captured, LayerRule, Layout, UnsupportedModuleError, autocast_like
+from .replay import RandomReplayer
 from .grads import InstantiatedGrad, PerExampleGrad
 
 __all__ = ["FALLBACK_RULE", "FallbackRule"]
@@ -121,7 +123,7 @@ class FallbackRule(LayerRule):
         versions = [b._version for b in module.buffers()]
         try:
             per_example = None
-            if module not in _LOOP_MODULES:
+            if module not in _LOOP_MODULES and not captured.random:
                 try:
                     per_example = torch.func.vmap(
                         torch.func.grad(objective), in_dims=(None, inputs.dims, out_dims), randomness="error"
@@ -138,7 +140,14 @@ class FallbackRule(LayerRule):
                     logger.info("hf_dp: vmap cannot run %s (%s); using a per-example loop", type(module).__name__, err)
                     _LOOP_MODULES.add(module)
             if per_example is None:
-                per_example = self._loop(objective, params, inputs, out_grads, out_dims, batch_size)
+                replay = None
+                if captured.random:  # the forward's random draws, example by example
+                    name = type(module).__name__
+
+                    def replay(i: int) -> RandomReplayer:
+                        return RandomReplayer(captured.random, batch_size, i, name)
+
+                per_example = self._loop(objective, params, inputs, out_grads, out_dims, batch_size, replay)
         finally:
             if versions != [b._version for b in module.buffers()]:
                 raise UnsupportedModuleError(
@@ -149,14 +158,18 @@ class FallbackRule(LayerRule):
         return {named[name]: InstantiatedGrad(value.detach()) for name, value in per_example.items()}
 
     @staticmethod
-    def _loop(objective, params, inputs: _Inputs, out_grads, out_dims, batch_size: int) -> dict[str, Tensor]:
+    def _loop(objective, params, inputs: _Inputs, out_grads, out_dims, batch_size: int, replay) -> dict[str, Tensor]:
         rows: dict[str, list[Tensor]] = {name: [] for name in params}
         for i in range(batch_size):
             example_inputs = [x.select(d, i) for x, d in zip(inputs.batched, inputs.dims, strict=True)]
             example_grads = [g.select(d, i) for g, d in zip(out_grads, out_dims, strict=True)]
-            with torch.enable_grad():
+            replayer = replay(i) if replay is not None else contextlib.nullcontext()
+            with torch.enable_grad(), _same_random_stream(), replayer:
                 leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
                 total = objective(leaves, example_inputs, example_grads)
+            if replay is not None:
+                replayer.finish()
+            with torch.enable_grad():
                 if total.requires_grad:
                     got = torch.autograd.grad(total, list(leaves.values()), allow_unused=True)
                 else:
@@ -164,6 +177,19 @@ class FallbackRule(LayerRule):
             for (name, p), g in zip(leaves.items(), got, strict=True):
                 rows[name].append(torch.zeros_like(p) if g is None else g)
         return {name: torch.stack(values) for name, values in rows.items()}
+
+
+@contextlib.contextmanager
+def _same_random_stream():
+    """A re-run draws (and discards) random numbers of its own: leave training's random stream as it was."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 FALLBACK_RULE = FallbackRule()

@@ -32,30 +32,22 @@ from ..layers import FALLBACK_RULE, LayerRule, Layout, ScaledRule, UnsupportedMo
 from ..layers.base import autocast_like
 from ..layers.grads import compute_dtype, instantiate, norm_sq
 from .coverage import HookedModule
-from .probe import MIXED, CallRecord, ProbeRun, infer_layout, same_values, tolerance
+from .layouts import (
+    CallLayout,
+    Layouts,
+    closed_form_layout,
+    describe_layout,
+    fallback_layout,
+    is_float,
+    needs_third_run,
+)
+from .probe import CallRecord, ProbeRun, same_values, tolerance
 from .rows import closed_form_grads
 from .self_check import SelfCheckError
 
-try:
-    from transformers.cache_utils import Cache
-except ImportError:  # transformers is a dependency; keep the engine importable without it
-    Cache = None
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["CallLayout", "Plan", "build_plan", "describe_layout", "needs_third_run"]
-
-
-@dataclass
-class CallLayout:
-    """How the engine reads one call of a hooked module: the layout of each output (and, for the fallback, input)
-    leaf, which outputs to expand from ``[1, ...]`` to the batch, and which inputs (key/value caches, proven empty
-    for this call) the fallback's re-run leaves out."""
-
-    outputs: list
-    inputs: list | None = None
-    expand: tuple[int, ...] = ()
-    drop: tuple[int, ...] = ()
+__all__ = ["CallLayout", "Plan", "build_plan", "expansion_changes_output", "needs_third_run"]
 
 
 @dataclass
@@ -71,150 +63,6 @@ class Plan:
     shadowing: dict[int, set[nn.Parameter]] = field(default_factory=dict)
     shadowed: dict[int, set[nn.Parameter]] = field(default_factory=dict)
     repeats: tuple[int, ...] = (1,)  # rows per example seen along dimension 0: how far a broadcast may expand
-
-
-def describe_layout(layout) -> str:
-    if layout is MIXED:
-        return "its rows for one example differ between sub-batches (examples are mixed, or not contiguous)"
-    if layout is None:
-        return "it is the same for every example (no dimension carries the examples)"
-    if layout.broadcast:
-        return "it has size 1 along dimension 0 and is shared by every example"
-    return f"the examples lie along dimension {layout.dim}"
-
-
-class _Layouts:
-    """Layouts of every leaf of every call, from the runs on examples ``[0]`` and ``[1, 0]``.
-
-    A leaf that is a tensor in one run and not in the other (an attention mask built only when some example is
-    padded) is read from the runs on ``[1, 0]`` and ``[1, 1, 0]`` instead, when a third run is given.
-    """
-
-    def __init__(self, one: ProbeRun, two: ProbeRun, three: ProbeRun | None = None) -> None:
-        if _signature(one) != _signature(two):
-            raise UnsupportedModuleError(
-                "The model calls different modules for one example and for two (data-dependent control flow), so "
-                "hf_dp cannot match the calls to prove where the examples are."
-            )
-        if three is not None and _signature(three) != _signature(two):
-            three = None
-        self.inputs: list[list] = []
-        self.outputs: list[list] = []
-        self.fallback_memo: dict[int, CallLayout | None] = {}
-        for i, (c1, c2) in enumerate(zip(one.calls, two.calls, strict=True)):
-            c3 = three.calls[i] if three is not None else None
-            self.inputs.append(_pairwise(c1.in_leaves, c2.in_leaves, c3.in_leaves if c3 else None))
-            self.outputs.append(_pairwise(c1.out_leaves, c2.out_leaves, c3.out_leaves if c3 else None))
-
-
-def _signature(run: ProbeRun) -> list[tuple[int, int]]:
-    return [(id(c.module), c.ordinal) for c in run.calls]
-
-
-def needs_third_run(one: ProbeRun, two: ProbeRun) -> bool:
-    """Whether some leaf is a tensor in one run only (see :class:`_Layouts`)."""
-    for c1, c2 in zip(one.calls, two.calls, strict=False):
-        for x, y in zip(c1.in_leaves + c1.out_leaves, c2.in_leaves + c2.out_leaves, strict=False):
-            if isinstance(x, Tensor) != isinstance(y, Tensor):
-                return True
-    return False
-
-
-def _pairwise(one: list, two: list, three: list | None) -> list:
-    if len(one) != len(two):
-        return [MIXED] * max(len(one), len(two), 1)
-    out = []
-    for j, (a, b) in enumerate(zip(one, two, strict=True)):
-        layout = infer_layout(a, b)
-        if (
-            layout is MIXED
-            and three is not None
-            and len(three) == len(two)
-            and isinstance(a, Tensor) != isinstance(b, Tensor)
-        ):
-            layout = infer_layout(b, three[j], sizes=(2, 3))
-        out.append(layout)
-    return out
-
-
-def _is_float(x) -> bool:
-    return isinstance(x, Tensor) and (x.is_floating_point() or x.is_complex())
-
-
-def closed_form_layout(rule: LayerRule, call: CallRecord, layouts: _Layouts) -> Layout | None:
-    """The output layout if ``rule`` can read this call, else ``None``."""
-    outs = layouts.outputs[call.index]
-    if not isinstance(call.output, Tensor) or len(outs) != 1 or not isinstance(outs[0], Layout):
-        return None
-    out = outs[0]
-    if rule.layout == "output":
-        return out if out.dim == 0 and not out.broadcast else None
-    if not call.args or not isinstance(call.args[0], Tensor):
-        return None
-    if layouts.inputs[call.index][0] != out:  # args[0] is the first input leaf
-        return None
-    if rule.layout == "leading" and (out.dim != 0 or out.broadcast):
-        return None
-    return out
-
-
-def _is_state(x) -> bool:
-    """A stateful input the forward mutates (a transformers key/value cache): a re-run must not see it."""
-    return Cache is not None and isinstance(x, Cache)
-
-
-def _runs_without_state(call: CallRecord, drop: tuple[int, ...]) -> bool:
-    """Whether the call gives the same output with its caches left out (no past entries when it ran)."""
-    from torch.utils._pytree import tree_flatten as flatten
-    from torch.utils._pytree import tree_unflatten as unflatten
-
-    leaves, spec = flatten((tuple(call.args), dict(call.kwargs)))
-    leaves = [None if i in drop else x for i, x in enumerate(leaves)]
-    args, kwargs = unflatten(leaves, spec)
-    try:
-        with torch.no_grad(), autocast_like(call.autocast):
-            out = call.module(*args, **kwargs)
-    except Exception:  # noqa: BLE001  (the module needs its cache: not re-runnable)
-        return False
-    from .probe import flatten_output
-
-    again = flatten_output(out)
-    if len(again) != len(call.out_leaves):
-        return False
-    for x, y in zip(again, call.out_leaves, strict=True):
-        if isinstance(y, Tensor) and (not isinstance(x, Tensor) or not same_values(x, y)):
-            return False
-    return True
-
-
-def fallback_layout(call: CallRecord, layouts: _Layouts) -> CallLayout | None:
-    """The layouts if the fallback can re-run this call per example, else ``None``."""
-    memo = layouts.fallback_memo
-    if call.index not in memo:
-        memo[call.index] = _fallback_layout(call, layouts)
-    return memo[call.index]
-
-
-def _fallback_layout(call: CallRecord, layouts: _Layouts) -> CallLayout | None:
-    inputs = layouts.inputs[call.index]
-    if any(x is MIXED for x in inputs):
-        return None
-    outputs = []
-    for leaf, layout in zip(call.out_leaves, layouts.outputs[call.index], strict=False):
-        if not _is_float(leaf):
-            outputs.append(None)
-        elif not isinstance(layout, Layout):
-            return None
-        else:
-            outputs.append(layout)
-    if not any(isinstance(x, Layout) for x in outputs):
-        return None
-    inputs = [x if isinstance(x, Layout) and not x.broadcast else None for x in inputs]
-    expand = tuple(j for j, x in enumerate(outputs) if x is not None and x.broadcast)
-    drop = tuple(i for i, x in enumerate(call.in_leaves) if _is_state(x))
-    if drop and not _runs_without_state(call, drop):
-        return None
-    return CallLayout(outputs=outputs, inputs=inputs, expand=expand, drop=drop)
 
 
 def _random_like(t: Tensor, seed: int) -> Tensor:
@@ -271,7 +119,7 @@ def _measure_scale(module: nn.Module, base: type, call: CallRecord) -> float | N
     except Exception:  # noqa: BLE001  (the base class cannot run this call: not a scaled subclass)
         return None
     out = call.output
-    if not isinstance(out, Tensor) or not isinstance(ref, Tensor) or out.shape != ref.shape or not _is_float(out):
+    if not isinstance(out, Tensor) or not isinstance(ref, Tensor) or out.shape != ref.shape or not is_float(out):
         return None
     o, r = out.double(), ref.double()
     denom = float((r * r).sum())
@@ -287,7 +135,7 @@ def _forward_differs(module: nn.Module, base: type) -> bool:
     return "forward" in vars(module) or type(module).forward is not base.forward
 
 
-def _choose_rule(entry: HookedModule, calls: list[CallRecord], layouts: _Layouts) -> LayerRule:
+def _choose_rule(entry: HookedModule, calls: list[CallRecord], layouts: Layouts) -> LayerRule:
     """The rule to use for ``entry``: its own, a scaled version, or the fallback (guessed rules that disagree)."""
     if entry.is_fallback or not calls:
         return entry.rule
@@ -337,7 +185,7 @@ def build_plan(
 
     ``one``, ``two``, ``three``: probe runs on examples ``[0]``, ``[1, 0]`` and (optionally) ``[1, 1, 0]``.
     """
-    layouts = _Layouts(one, two, three)
+    layouts = Layouts(one, two, three)
     calls_of: dict[int, list[CallRecord]] = {}
     for call in one.calls:
         calls_of.setdefault(id(call.module), []).append(call)
@@ -454,7 +302,7 @@ def _uncovered(
     p: nn.Parameter,
     call: CallRecord,
     owner: dict,
-    layouts: _Layouts,
+    layouts: Layouts,
     names: dict[int, str],
     param_names: dict[nn.Parameter, str],
     allow_fallback: bool,

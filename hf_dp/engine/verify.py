@@ -17,6 +17,7 @@ from .probe import UseRecorder
 
 __all__ = ["Verification"]
 
+
 class Verification:
     """The checks of one verified forward pass: start with :meth:`start`, end with :meth:`stop` (both idempotent).
 

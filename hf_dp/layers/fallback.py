@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .base import Captured, LayerRule, Layout, UnsupportedModuleError, autocast_like
-from .replay import RandomReplayer
 from .grads import InstantiatedGrad, PerExampleGrad
+from .replay import RandomReplayer
 
 __all__ = ["FALLBACK_RULE", "FallbackRule"]
 

@@ -1,0 +1,187 @@
+"""Layouts of every tensor of every module call, read off the probe runs, and what a rule can make of them.
+
+A closed-form rule can read a call whose output (and, for position-wise and leading-dimension rules, first input)
+has a proven :class:`~hf_dp.layers.Layout`; the fallback can re-run a call whose inputs are batched or shared and
+whose floating-point outputs are batched or broadcast (caches proven empty are left out of the re-run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..layers import LayerRule, Layout, UnsupportedModuleError
+from ..layers.base import autocast_like
+from .probe import MIXED, CallRecord, ProbeRun, flatten_output, infer_layout, same_values
+
+try:
+    from transformers.cache_utils import Cache
+except ImportError:  # transformers is a dependency; keep the engine importable without it
+    Cache = None
+
+__all__ = [
+    "CallLayout",
+    "Layouts",
+    "closed_form_layout",
+    "describe_layout",
+    "fallback_layout",
+    "is_float",
+    "needs_third_run",
+]
+
+
+@dataclass
+class CallLayout:
+    """How the engine reads one call of a hooked module: the layout of each output (and, for the fallback, input)
+    leaf, which outputs to expand from ``[1, ...]`` to the batch, and which inputs (key/value caches, proven empty
+    for this call) the fallback's re-run leaves out."""
+
+    outputs: list
+    inputs: list | None = None
+    expand: tuple[int, ...] = ()
+    drop: tuple[int, ...] = ()
+
+
+def describe_layout(layout) -> str:
+    if layout is MIXED:
+        return "its rows for one example differ between sub-batches (examples are mixed, or not contiguous)"
+    if layout is None:
+        return "it is the same for every example (no dimension carries the examples)"
+    if layout.broadcast:
+        return "it has size 1 along dimension 0 and is shared by every example"
+    return f"the examples lie along dimension {layout.dim}"
+
+
+class Layouts:
+    """Layouts of every leaf of every call, from the runs on examples ``[0]`` and ``[1, 0]``.
+
+    A leaf that is a tensor in one run and not in the other (an attention mask built only when some example is
+    padded) is read from the runs on ``[1, 0]`` and ``[1, 1, 0]`` instead, when a third run is given.
+    """
+
+    def __init__(self, one: ProbeRun, two: ProbeRun, three: ProbeRun | None = None) -> None:
+        if _signature(one) != _signature(two):
+            raise UnsupportedModuleError(
+                "The model calls different modules for one example and for two (data-dependent control flow), so "
+                "hf_dp cannot match the calls to prove where the examples are."
+            )
+        if three is not None and _signature(three) != _signature(two):
+            three = None
+        self.inputs: list[list] = []
+        self.outputs: list[list] = []
+        self.fallback_memo: dict[int, CallLayout | None] = {}
+        for i, (c1, c2) in enumerate(zip(one.calls, two.calls, strict=True)):
+            c3 = three.calls[i] if three is not None else None
+            self.inputs.append(_pairwise(c1.in_leaves, c2.in_leaves, c3.in_leaves if c3 else None))
+            self.outputs.append(_pairwise(c1.out_leaves, c2.out_leaves, c3.out_leaves if c3 else None))
+
+
+def _signature(run: ProbeRun) -> list[tuple[int, int]]:
+    return [(id(c.module), c.ordinal) for c in run.calls]
+
+
+def needs_third_run(one: ProbeRun, two: ProbeRun) -> bool:
+    """Whether some leaf is a tensor in one run only (see :class:`_Layouts`)."""
+    for c1, c2 in zip(one.calls, two.calls, strict=False):
+        for x, y in zip(c1.in_leaves + c1.out_leaves, c2.in_leaves + c2.out_leaves, strict=False):
+            if isinstance(x, Tensor) != isinstance(y, Tensor):
+                return True
+    return False
+
+
+def _pairwise(one: list, two: list, three: list | None) -> list:
+    if len(one) != len(two):
+        return [MIXED] * max(len(one), len(two), 1)
+    out = []
+    for j, (a, b) in enumerate(zip(one, two, strict=True)):
+        layout = infer_layout(a, b)
+        if (
+            layout is MIXED
+            and three is not None
+            and len(three) == len(two)
+            and isinstance(a, Tensor) != isinstance(b, Tensor)
+        ):
+            layout = infer_layout(b, three[j], sizes=(2, 3))
+        out.append(layout)
+    return out
+
+
+def is_float(x) -> bool:
+    return isinstance(x, Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def closed_form_layout(rule: LayerRule, call: CallRecord, layouts: Layouts) -> Layout | None:
+    """The output layout if ``rule`` can read this call, else ``None``."""
+    outs = layouts.outputs[call.index]
+    if not isinstance(call.output, Tensor) or len(outs) != 1 or not isinstance(outs[0], Layout):
+        return None
+    out = outs[0]
+    if rule.layout == "output":
+        return out if out.dim == 0 and not out.broadcast else None
+    if not call.args or not isinstance(call.args[0], Tensor):
+        return None
+    if layouts.inputs[call.index][0] != out:  # args[0] is the first input leaf
+        return None
+    if rule.layout == "leading" and (out.dim != 0 or out.broadcast):
+        return None
+    return out
+
+
+def _is_state(x) -> bool:
+    """A stateful input the forward mutates (a transformers key/value cache): a re-run must not see it."""
+    return Cache is not None and isinstance(x, Cache)
+
+
+def _runs_without_state(call: CallRecord, drop: tuple[int, ...]) -> bool:
+    """Whether the call gives the same output with its caches left out (no past entries when it ran)."""
+    from torch.utils._pytree import tree_flatten as flatten
+    from torch.utils._pytree import tree_unflatten as unflatten
+
+    leaves, spec = flatten((tuple(call.args), dict(call.kwargs)))
+    leaves = [None if i in drop else x for i, x in enumerate(leaves)]
+    args, kwargs = unflatten(leaves, spec)
+    try:
+        with torch.no_grad(), autocast_like(call.autocast):
+            out = call.module(*args, **kwargs)
+    except Exception:  # noqa: BLE001  (the module needs its cache: not re-runnable)
+        return False
+
+    again = flatten_output(out)
+    if len(again) != len(call.out_leaves):
+        return False
+    for x, y in zip(again, call.out_leaves, strict=True):
+        if isinstance(y, Tensor) and (not isinstance(x, Tensor) or not same_values(x, y)):
+            return False
+    return True
+
+
+def fallback_layout(call: CallRecord, layouts: Layouts) -> CallLayout | None:
+    """The layouts if the fallback can re-run this call per example, else ``None``."""
+    memo = layouts.fallback_memo
+    if call.index not in memo:
+        memo[call.index] = _fallback_layout(call, layouts)
+    return memo[call.index]
+
+
+def _fallback_layout(call: CallRecord, layouts: Layouts) -> CallLayout | None:
+    inputs = layouts.inputs[call.index]
+    if any(x is MIXED for x in inputs):
+        return None
+    outputs = []
+    for leaf, layout in zip(call.out_leaves, layouts.outputs[call.index], strict=False):
+        if not is_float(leaf):
+            outputs.append(None)
+        elif not isinstance(layout, Layout):
+            return None
+        else:
+            outputs.append(layout)
+    if not any(isinstance(x, Layout) for x in outputs):
+        return None
+    inputs = [x if isinstance(x, Layout) and not x.broadcast else None for x in inputs]
+    expand = tuple(j for j, x in enumerate(outputs) if x is not None and x.broadcast)
+    drop = tuple(i for i, x in enumerate(call.in_leaves) if _is_state(x))
+    if drop and not _runs_without_state(call, drop):
+        return None
+    return CallLayout(outputs=outputs, inputs=inputs, expand=expand, drop=drop)

@@ -221,5 +221,11 @@ def test_markdown_has_one_line_per_row():
     assert len(markdown().splitlines()) == len(ARCHITECTURES) + 2
 
 
+def test_readme_shows_this_table():
+    readme = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "README.md")
+    with open(readme, encoding="utf-8") as f:
+        assert markdown() in f.read(), "README's table is stale: paste `python tests/test_engine_architectures.py`"
+
+
 if __name__ == "__main__":
     print(markdown())

@@ -21,6 +21,28 @@ logger = logging.getLogger(__name__)
 __all__ = ["DPArgumentsMixin", "DPSeq2SeqTrainingArguments", "DPTrainingArguments"]
 
 TRAINER_CLIPPING_MODES = sorted(m for m in CLIPPING_MODES if m != "ghost")
+CLIPPING_STYLES = ["all-layer", "layer-wise", "param-wise"]
+CLIPPING_FNS = ["abadi", "automatic"]
+
+
+def _parse_clipping_style(style):
+    """A named style, or groups of parameter-name patterns (a list of lists, or ``"a,b;c"``)."""
+    if isinstance(style, str) and style in CLIPPING_STYLES:
+        return style
+    if isinstance(style, str) and not any(c in style for c in ";,*?["):  # a misspelt name, not a pattern group
+        raise ValueError(f"Unknown `clipping_style` {style!r}. Choose one of {CLIPPING_STYLES}, or pattern groups.")
+    groups = [g.split(",") for g in style.split(";")] if isinstance(style, str) else style
+    try:
+        groups = [[str(p).strip() for p in group if str(p).strip()] for group in groups]
+    except TypeError:
+        groups = None
+    if not groups or any(not g for g in groups):
+        raise ValueError(
+            f"`clipping_style`={style!r} is neither one of {CLIPPING_STYLES} nor non-empty groups of parameter-name "
+            "patterns (a list of lists, or 'pattern,pattern;pattern')."
+        )
+    return groups
+
 
 _DP_PARAMETERS_DOC = r"""
     > Parameters that control the privacy guarantee
@@ -57,6 +79,19 @@ _DP_PARAMETERS_DOC = r"""
     clipping_mode (`str`, *optional*, defaults to `"bk-mixopt"`):
         `"bk-mixopt"` (per layer, the cheaper of ghost norm and instantiation), `"bk"` (ghost norm everywhere)
         or `"per-sample"` (instantiate every per-example gradient).
+    clipping_style (`str` or `list[list[str]]`, *optional*, defaults to `"all-layer"`):
+        How per-example gradients are grouped for clipping: `"all-layer"` (one norm over all parameters), `"layer-wise"`
+        (one group per module; tied parameters share a group), `"param-wise"` (one group per parameter), or groups of
+        parameter-name patterns (`fnmatch`), given as a list of lists or on the command line as
+        `"pattern,pattern;pattern"` (`;` between groups). Each of the G groups is clipped at `C / sqrt(G)` (He et al.
+        2022), so the sensitivity stays `C` and the guarantee is unchanged. Layer-wise clipping forms each layer's
+        clipped sum inside its own backward hook and frees its book-kept inputs there: memory close to non-private.
+    clipping_fn (`str`, *optional*, defaults to `"abadi"`):
+        `"abadi"`: `min(1, C / ||g_i||)`; `"automatic"` (Bu et al. 2023): `C / (||g_i|| + gamma)`, which normalises
+        every per-example gradient (no clipping threshold to tune: with it the learning rate absorbs `C`). Use it to
+        avoid tuning `C`; the sensitivity is `C` either way.
+    automatic_clipping_gamma (`float`, *optional*, defaults to `0.01`):
+        `gamma` of automatic clipping (> 0): the stability constant that keeps small gradients from being blown up.
     per_example_loss_reduction (`str`, *optional*, defaults to `"mean"`):
         How one example's token losses are combined: `"mean"` over its own target tokens, or `"sum"`.
     loss_type (`str`, *optional*, defaults to `"auto"`):
@@ -133,6 +168,18 @@ class DPArgumentsMixin:
         default="bk-mixopt",
         metadata={"help": "Per-example clipping algorithm.", "choices": TRAINER_CLIPPING_MODES},
     )
+    clipping_style: str = field(
+        default="all-layer",
+        metadata={
+            "help": "'all-layer', 'layer-wise', 'param-wise', or parameter-name pattern groups 'a,b;c' (';' between "
+            "groups); each of G groups is clipped at C / sqrt(G)."
+        },
+    )
+    clipping_fn: str = field(
+        default="abadi",
+        metadata={"help": "'abadi': min(1, C/||g||); 'automatic': C / (||g|| + gamma).", "choices": CLIPPING_FNS},
+    )
+    automatic_clipping_gamma: float = field(default=0.01, metadata={"help": "gamma of automatic clipping (> 0)."})
     per_example_loss_reduction: str = field(
         default="mean",
         metadata={"help": "'mean' over the example's own target tokens, or 'sum'.", "choices": ["mean", "sum"]},
@@ -198,6 +245,11 @@ class DPArgumentsMixin:
                 f"`clipping_mode`={self.clipping_mode!r} is not supported by DPTrainer. Choose one of "
                 f"{TRAINER_CLIPPING_MODES} ('ghost' needs two backward passes and exists for benchmarks only)."
             )
+        self.clipping_style = _parse_clipping_style(self.clipping_style)
+        if self.clipping_fn not in CLIPPING_FNS:
+            raise ValueError(f"Unknown `clipping_fn` {self.clipping_fn!r}. Choose one of {CLIPPING_FNS}.")
+        if not self.automatic_clipping_gamma > 0:
+            raise ValueError(f"`automatic_clipping_gamma` must be > 0, got {self.automatic_clipping_gamma}.")
         if self.per_example_loss_reduction not in ("mean", "sum"):
             raise ValueError(
                 f"`per_example_loss_reduction` must be 'mean' or 'sum', got {self.per_example_loss_reduction!r}."

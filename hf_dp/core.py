@@ -150,6 +150,8 @@ class DPTrainerMixin:
             "accountant": plan.accountant,
             "max_grad_norm": self.args.per_sample_max_grad_norm,
             "clipping_mode": self.args.clipping_mode,
+            "clipping_style": self.args.clipping_style,
+            "clipping_fn": self.args.clipping_fn,
             "secure_mode": self.args.secure_mode,
             "steps_taken": self.dp_callback.steps,
             "epsilon": self.dp_callback.epsilon(plan.accountant) if self.dp_callback.delta else 0.0,
@@ -516,7 +518,10 @@ class DPTrainerMixin:
         self._start_secret_streams()
         self._log_plan()
         self.clipper = BookKeepingClipper(
-            self.model, max_grad_norm=self.args.per_sample_max_grad_norm, mode=self.args.clipping_mode
+            self.model,
+            max_grad_norm=self.args.per_sample_max_grad_norm,
+            mode=self.args.clipping_mode,
+            **self._clipping_policy_kwargs(),
         )
         self._needs_self_check = self.args.dp_self_check
         self._scale_policy: NoisedOverflowScalePolicy | None = None
@@ -535,6 +540,26 @@ class DPTrainerMixin:
             self.clipper = None
             self._noise_source = self._sampling_seed = None
         return TrainOutput(output.global_step, output.metrics.get("train_loss", output.training_loss), output.metrics)
+
+    def _clipping_policy_kwargs(self) -> dict[str, Any]:
+        args = self.args
+        kwargs = {"clipping_style": args.clipping_style, "clipping_fn": args.clipping_fn}
+        if args.clipping_fn == "automatic":
+            kwargs["gamma"] = args.automatic_clipping_gamma
+        # TEMP(lead): the engine accepts these keywords once its clipping policies land; defaults need none.
+        return {k: v for k, v in kwargs.items() if v not in ("all-layer", "abadi")}
+
+    def _clipping_details(self) -> str | None:
+        args = self.args
+        if args.clipping_style == "all-layer" and args.clipping_fn == "abadi":
+            return None
+        style = args.clipping_style if isinstance(args.clipping_style, str) else f"{len(args.clipping_style)} groups"
+        fn = (
+            "Abadi (min(1, C_g / norm))"
+            if args.clipping_fn == "abadi"
+            else (f"automatic (C_g / (norm + {args.automatic_clipping_gamma:g}))")
+        )
+        return f"{style}, each of the G groups clipped at C_g = C / sqrt(G); {fn}"
 
     def _start_secret_streams(self) -> None:
         """Noise and sampling seeds for this start: from the OS (shared by all processes, never written), or from
@@ -631,6 +656,7 @@ class DPTrainerMixin:
                 num_examples=plan.num_examples,
                 max_grad_norm=self.args.per_sample_max_grad_norm,
                 clipping_mode=self.args.clipping_mode,
+                clipping_details=self._clipping_details(),
                 poisson_sampling=self.args.poisson_sampling,
                 optimizer=type(optimizer).__name__ if optimizer is not None else str(self.args.optim),
                 secure_mode=self.args.secure_mode,

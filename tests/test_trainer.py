@@ -400,6 +400,14 @@ class TestBadInput:
             ({"accountant": "moments"}, "accountant"),
             ({"clipping_mode": "ghost"}, "ghost"),
             ({"gradient_checkpointing": True}, "gradient_checkpointing"),
+            ({"accountant": "gdp"}, "estimate"),
+            ({"torch_compile": True}, "torch_compile"),
+            ({"neftune_noise_alpha": 5.0}, "NEFTune"),
+            ({"auto_find_batch_size": True}, "auto_find_batch_size"),
+            ({"clipping_style": "per-layer"}, "clipping_style"),
+            ({"clipping_style": ";"}, "clipping_style"),
+            ({"clipping_fn": "huber"}, "clipping_fn"),
+            ({"automatic_clipping_gamma": 0.0}, "automatic_clipping_gamma"),
         ],
     )
     def test_argument_errors(self, tmp_dir, overrides, match):

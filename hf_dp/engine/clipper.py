@@ -109,6 +109,7 @@ class BookKeepingClipper(ForwardHooks, BackwardBookkeeping):
         self._record_random = False
         self._recorder = None
         self._origins: dict[tuple, Tensor] = {}
+        self._root_call: tuple | None = None  # (args, kwargs, batch) of the forward pass in progress
         self._norm_dtype = self._compute_norm_dtype()
         self._root_handles = [
             model.register_forward_pre_hook(ModelHook(self._on_root_start), with_kwargs=True, prepend=True),

@@ -27,7 +27,9 @@ __all__ = [
     "closed_form_layout",
     "describe_layout",
     "fallback_layout",
+    "fits",
     "is_float",
+    "leaf_shapes",
     "needs_third_run",
 ]
 
@@ -36,12 +38,63 @@ __all__ = [
 class CallLayout:
     """How the engine reads one call of a hooked module: the layout of each output (and, for the fallback, input)
     leaf, which outputs to expand from ``[1, ...]`` to the batch, and which inputs (key/value caches, proven empty
-    for this call) the fallback's re-run leaves out."""
+    for this call) the fallback's re-run leaves out.
+
+    ``shapes`` holds the shapes of the leaves the layout was proven on (the probe run on two examples; ``None`` for a
+    leaf that was not a tensor): the layout holds for a later call only if :func:`fits` says so. A model can take
+    another path on another batch (an attention mask built only when some example is padded), and then the call
+    needs a layout proven on examples that take that path.
+    """
 
     outputs: list
     inputs: list | None = None
     expand: tuple[int, ...] = ()
     drop: tuple[int, ...] = ()
+    shapes: tuple[list, list] | None = None  # (input leaves, output leaves); closed forms: output leaves only
+
+
+def leaf_shapes(leaves: list) -> list:
+    """The shape of every tensor leaf (``None`` for the others)."""
+    return [tuple(x.shape) if isinstance(x, Tensor) else None for x in leaves]
+
+
+def _leaf_fits(x, ref: tuple | None, layout, batch_size: int) -> bool:
+    if ref is None or not isinstance(x, Tensor):
+        return ref is None and not isinstance(x, Tensor)
+    if x.dim() != len(ref):
+        return False
+    if isinstance(layout, Layout):
+        try:
+            layout.rows(x, batch_size)
+        except ValueError:
+            return False
+        return True
+    # proven shared by every example: a [1, ...] tensor that grew a larger first dimension is not the same tensor
+    return not (ref and ref[0] == 1 and x.shape[0] != 1)
+
+
+def fits(layout: CallLayout, in_leaves: list | None, out_leaves: list, batch_size: int) -> bool:
+    """Whether a call with these leaves has the structure ``layout`` was proven on: the same leaves are tensors, of
+    the same number of dimensions, batched ones split into the batch's examples, shared ``[1, ...]`` ones still of
+    size 1 (``in_leaves=None``: a closed-form call, whose inputs the rule reads through the output's layout)."""
+    if layout.shapes is None:
+        return True
+    ref_in, ref_out = layout.shapes
+    if len(out_leaves) != len(ref_out) or len(out_leaves) != len(layout.outputs):
+        return False
+    for x, ref, lay in zip(out_leaves, ref_out, layout.outputs, strict=True):
+        if not _leaf_fits(x, ref, lay, batch_size):
+            return False
+    if in_leaves is None or layout.inputs is None:
+        return True
+    if len(in_leaves) != len(ref_in) or len(in_leaves) != len(layout.inputs):
+        return False
+    for i, (x, ref, lay) in enumerate(zip(in_leaves, ref_in, layout.inputs, strict=True)):
+        if i in layout.drop:
+            continue
+        if not _leaf_fits(x, ref, lay, batch_size):
+            return False
+    return True
 
 
 def describe_layout(layout) -> str:

@@ -23,7 +23,7 @@ Steps (each is exact or raises; see DESIGN §4.12, §4.13):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -38,7 +38,9 @@ from .layouts import (
     closed_form_layout,
     describe_layout,
     fallback_layout,
+    fits,
     is_float,
+    leaf_shapes,
     needs_third_run,
 )
 from .probe import CallRecord, ProbeRun, same_values, tolerance
@@ -47,19 +49,20 @@ from .self_check import SelfCheckError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CallLayout", "Plan", "build_plan", "expansion_changes_output", "needs_third_run"]
+__all__ = ["CallLayout", "Plan", "build_plan", "expansion_changes_output", "fits", "needs_third_run"]
 
 
 @dataclass
 class Plan:
-    """The hooked modules and the layout of each of their calls, keyed by ``(id(entry), ordinal)``.
+    """The hooked modules and the layouts of each of their calls, keyed by ``(id(entry), ordinal)``: one per
+    structure the call was seen with (:func:`~.layouts.fits` picks the one a call has).
 
     ``shadowing`` maps a fallback entry to the parameters for which it shadows the modules called inside it;
     ``shadowed`` maps an entry to the parameters it must skip while such a fallback is running.
     """
 
     hooked: list[HookedModule]
-    calls: dict[tuple[int, int], CallLayout]
+    calls: dict[tuple[int, int], list[CallLayout]]  # the layouts proven for each call, one per path the model took
     shadowing: dict[int, set[nn.Parameter]] = field(default_factory=dict)
     shadowed: dict[int, set[nn.Parameter]] = field(default_factory=dict)
     repeats: tuple[int, ...] = (1,)  # rows per example seen along dimension 0: how far a broadcast may expand
@@ -276,13 +279,20 @@ def build_plan(
     plan = Plan(hooked=final, calls={}, repeats=(1, *sorted(rows)))
     for entry in final:
         for call in calls_of.get(id(entry.module), []):
+            ref = two.calls[call.index]  # the shapes the layouts hold for (see `fits`)
             if entry.is_fallback:
                 layout = fallback_layout(call, layouts)
+                if layout is not None:
+                    layout = replace(layout, shapes=(leaf_shapes(ref.in_leaves), leaf_shapes(ref.out_leaves)))
             else:
                 out = closed_form_layout(entry.rule, call, layouts)
-                layout = None if out is None else CallLayout(outputs=[out], expand=(0,) if out.broadcast else ())
+                layout = None
+                if out is not None:
+                    layout = CallLayout(
+                        outputs=[out], expand=(0,) if out.broadcast else (), shapes=([], leaf_shapes(ref.out_leaves))
+                    )
             if layout is not None:
-                plan.calls[(id(entry), call.ordinal)] = layout
+                plan.calls[(id(entry), call.ordinal)] = [layout]
 
     # a fallback covers every use of its parameters inside its forward: it shadows the other coverers there
     coverers: dict[nn.Parameter, list[HookedModule]] = {}

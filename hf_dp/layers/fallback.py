@@ -116,6 +116,13 @@ class FallbackRule(LayerRule):
                 )
             total = None
             for j, g in zip(positions, example_grads, strict=True):
+                if out_leaves[j].shape != g.shape:  # a broadcast here would sum other examples' rows in silently
+                    raise UnsupportedModuleError(
+                        f"{type(module).__name__} re-run on one example returned output {j} of shape "
+                        f"{tuple(out_leaves[j].shape)}, but that example's rows of the batch's output have shape "
+                        f"{tuple(g.shape)}: an input the engine passed whole (proven shared by every example) is "
+                        "not shared on this batch."
+                    )
                 term = (out_leaves[j] * g.to(out_leaves[j].dtype)).sum()
                 total = term if total is None else total + term
             return total

@@ -1,18 +1,17 @@
 """The backward side of ``BookKeepingClipper``: per-example gradients from each hooked call's output gradient,
-the first-batch check that loss ``j`` depends on example ``j`` alone, norms of parameters used several times, and
-the checks that no gradient bypassed the hooks.
+the first-batch check that loss ``j`` depends on example ``j`` alone, and the checks that no gradient bypassed the
+hooks. (Clipping a group once all its uses are seen: :mod:`.clipping`.)
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from ..layers import UnsupportedModuleError
-from ..layers.grads import FactoredGrad, PerExampleGrad, inner, instantiate, merge, norm_sq, weighted_sum
+from ..layers.grads import FactoredGrad, PerExampleGrad, instantiate, norm_sq, weighted_sum
 from .rows import closed_form_grads, foreign_rows
 from .state import Pass, Use, grad_stamp
 
@@ -45,13 +44,18 @@ class BackwardBookkeeping:
             self._check_support(use, grad)
             return
         p.grad_events += 1
-        use.grads = self._per_example_grads(use, grad)
-        for q, g in use.grads.items():
-            if p.use_counts.get(q, 0) == 1 and not p.keep_all:
-                p.norm_sq += norm_sq(g, self._norm_dtype)
+        grads = self._per_example_grads(use, grad)
         use.captured = None  # the factors keep what the clipped sum needs; drop the rest
-        if self.mode == "ghost" and not p.keep_all:  # norms only: the second backward forms the sum
-            use.grads = {q: g for q, g in use.grads.items() if p.use_counts.get(q, 0) > 1}
+        group_of = self._group_of
+        for q, g in grads.items():
+            if p.use_counts.get(q, 0) == 1 and not p.keep_all:
+                p.norm_sq[group_of[q]] += norm_sq(g, self._norm_dtype)
+                if self.mode == "ghost":  # norms only: the second backward forms the sum
+                    continue
+            p.pieces.setdefault(q, []).append(g)
+        del grads
+        if p.in_hook:
+            self._use_done(p, use.groups)
 
     def _per_example_grads(self, use: Use, grad) -> dict[nn.Parameter, PerExampleGrad]:
         entry, b = use.entry, self._pass.size
@@ -105,32 +109,13 @@ class BackwardBookkeeping:
                 "along dimension 0 (e.g. [T, B, ...]: pass batch-first inputs)."
             )
 
-    def _shared_norm_sq(
-        self, p: Pass, grads_by_param: dict[nn.Parameter, list[PerExampleGrad]]
-    ) -> dict[nn.Parameter, list[PerExampleGrad]]:
-        """``||sum_k G_k||^2`` for parameters used more than once: uses of the same kind are merged exactly
-        (:func:`~hf_dp.layers.grads.merge`), the rest get the cross terms ``2 <G_k, G_l>``. Returns the pieces."""
-        pieces = {}
-        for q in list(grads_by_param):
-            grads = grads_by_param.pop(q)
-            if p.use_counts.get(q, 0) == 1 and not p.keep_all:
-                pieces[q] = grads
-                continue
-            parts = merge(grads) if len(grads) > 1 else grads
-            for k, gk in enumerate(parts):
-                p.norm_sq += norm_sq(gk, self._norm_dtype)
-                for gl in parts[k + 1 :]:
-                    p.norm_sq += 2 * inner(gk, gl, self._norm_dtype)
-            pieces[q] = parts
-        return pieces
-
     def _check_no_bypass(self, p: Pass) -> None:
         """In the one-backward modes autograd never writes ``p.grad``; if it did, a use of the parameter bypassed
         the hooks (e.g. inside the loss, after the model's forward pass) and would leak an unclipped gradient."""
         if self.mode == "ghost" or p.grads_before is None:
             return
         for q, stamp in p.grads_before.items():
-            if grad_stamp(q) != stamp:
+            if q in p.bypassed or grad_stamp(q) != stamp:
                 raise UnsupportedModuleError(
                     f"Trainable parameter `{self._names()[1].get(q, '?')}` received a gradient from autograd during "
                     "the backward pass: it is used outside the model's forward pass (e.g. in the loss), where its "
@@ -172,7 +157,7 @@ class BackwardBookkeeping:
     ) -> dict[nn.Parameter, Tensor]:
         """Per-parameter per-example gradient norms of ``per_example_loss(model, inputs)``, without touching
         ``p.grad`` or the state of the current micro-batch."""
-        saved = (self._pass, self._prepared, self._capturing, self.per_example_norms)
+        saved = (self._pass, self._prepared, self._capturing, self.per_example_norms, self.per_group_norms)
         self._pass, self._prepared, self._capturing = None, False, False
         self._force_ghost_diff = True
         try:
@@ -183,19 +168,13 @@ class BackwardBookkeeping:
             if p.size and p.uses and leaves:
                 torch.autograd.backward(loss.sum(), inputs=leaves)
             p.phase = None
-            grads_by_param: dict[nn.Parameter, list[PerExampleGrad]] = defaultdict(list)
-            for use in p.uses:
-                for q, g in use.grads.items():
-                    grads_by_param[q].append(g)
             out = {}
             with torch.no_grad():
-                for q, grads in grads_by_param.items():
-                    p.norm_sq = torch.zeros(p.size, dtype=self._norm_dtype, device=loss.device)
-                    self._shared_norm_sq(p, {q: grads})
-                    out[q] = p.norm_sq.sqrt()
+                for q in list(p.pieces):
+                    out[q] = self._merged_norm_sq(p.pieces.pop(q))[0].sqrt()
             return out
         finally:
             self._force_ghost_diff = False
             for origin in self._origins.values():
                 origin.grad = None
-            self._pass, self._prepared, self._capturing, self.per_example_norms = saved
+            self._pass, self._prepared, self._capturing, self.per_example_norms, self.per_group_norms = saved

@@ -9,11 +9,13 @@ Life of one micro-batch:
    and then verifies it on the real forward (:mod:`.verify`).
 2. ``prepare(loss)``: the loss must be ``[B]``; on the first batch of a plan, the engine checks that loss ``j``
    depends on the rows of example ``j`` alone in every hooked output (two extra backward passes, once).
-3. backward: each output hook receives the output gradient ``g`` and adds its layers' per-example squared norms
-   (ghost norm, or instantiation where BK-MixOpt prefers it).
-4. ``finish()`` (never inside a hook): parameters used more than once get their exact cross terms, total norms give
-   ``c_i = min(1, C / (||g_i|| + 1e-6))``, and ``p.grad += sum_i c_i g_i`` is formed from the book-kept factors under
-   ``no_grad`` (``p.grad`` never carries a graph).
+3. backward: each output hook receives the output gradient ``g`` and adds its layers' per-example squared norms to
+   their clipping group's (ghost norm, or instantiation where BK-MixOpt prefers it). With several clipping groups
+   (:mod:`.policy`), a group whose uses have all been seen is clipped right there and its factors freed
+   (:mod:`.clipping`).
+4. ``finish()`` (never inside a hook for one group): parameters used more than once get their exact cross terms,
+   group norms give ``c_{i,g}`` (:class:`~.policy.ClippingPolicy`), and ``p.grad += sum_i c_{i,g} g_{i,g}`` is formed
+   from the book-kept factors under ``no_grad`` (``p.grad`` never carries a graph), or handed to ``grad_sink``.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from ..layers.grads import PerExampleGrad, weighted_sum
 from .backward import BackwardBookkeeping
+from .clipping import GroupClipping
 from .coverage import plan_coverage, trainable_parameters
 from .forward import ForwardHooks
 from .planner import Plan
+from .policy import ClippingPolicy, ParameterGroups
 from .self_check import self_check
 from .state import ModelHook, Pass, grad_stamp
 from .verify import Verification
@@ -47,7 +50,7 @@ CLIPPING_MODES: dict[str, str] = {
 }
 
 
-class BookKeepingClipper(ForwardHooks, BackwardBookkeeping):
+class BookKeepingClipper(ForwardHooks, BackwardBookkeeping, GroupClipping):
     """Per-example gradient clipping for any ``nn.Module``, by book-keeping, in one backward pass.
 
     Args:
@@ -58,38 +61,74 @@ class BookKeepingClipper(ForwardHooks, BackwardBookkeeping):
         allow_fallback (`bool`, *optional*, defaults to `True`): use the torch.func rule for modules with trainable
             parameters and no closed-form rule, and for parameters used where no rule sees them; if `False`, such
             modules raise ``UnsupportedModuleError``.
+        clipping_style (`str` or `list[list[str]]`, *optional*, defaults to `"all-layer"`): how the parameters are
+            grouped for clipping (:data:`~hf_dp.engine.policy.CLIPPING_STYLES`: `"all-layer"`, `"layer-wise"`,
+            `"param-wise"`), or groups of ``fnmatch`` patterns over ``model.named_parameters()`` names. Each of the
+            ``G`` groups is clipped at ``C / sqrt(G)`` (He et al. 2022), so the sensitivity stays ``C``. With more
+            than one group each group is clipped inside the backward pass as soon as all its uses are seen, and its
+            book-kept factors are freed there (pass the loss scale to :meth:`prepare`).
+        clipping_fn (`str`, *optional*, defaults to `"abadi"`): `"abadi"`, ``min(1, C_g / (||g_{i,g}|| + 1e-6))``,
+            or `"automatic"`, ``C_g / (||g_{i,g}|| + gamma)`` (Bu et al. 2023).
+        gamma (`float`, *optional*, defaults to 0.01): ``gamma`` of automatic clipping (> 0).
+        grad_sink (`Callable[[nn.Parameter, torch.Tensor], None]`, *optional*): called once per trainable parameter
+            per micro-batch with its clipped sum (full size; zeros if no use reached it) instead of
+            ``p.grad += clipped_sum`` (e.g. to reduce-scatter into a sharded gradient). With several groups it is
+            called inside the backward pass, from the hook that completes the parameter's group; with one group,
+            after the backward pass, parameter by parameter.
 
     Raises:
         UnsupportedModuleError: BatchNorm anywhere in the model, or a trainable parameter no rule covers (at
             construction); a parameter, layer or layout the engine cannot make exact (at the first forward pass, with
             what to change).
-        ValueError: an unknown mode or a non-positive clipping norm.
+        ValueError: an unknown mode, style or function, a non-positive clipping norm or gamma, clipping groups that
+            leave a trainable parameter out or count it twice, or a clipping style other than `"all-layer"` in
+            `"ghost"` mode.
 
     Example:
         ```python
-        clipper = BookKeepingClipper(model, max_grad_norm=0.1)
+        clipper = BookKeepingClipper(model, max_grad_norm=0.1, clipping_style="layer-wise")
         loss = per_example_loss(model(**batch), batch)  # [B]
-        clipper.backward(loss)  # p.grad += sum_i min(1, C / ||g_i||) g_i
-        clipper.per_example_norms  # [B]
+        clipper.backward(loss)  # p.grad += sum_i sum_g min(1, C_g / ||g_{i,g}||) g_{i,g}
+        clipper.per_example_norms  # [B] total norms; clipper.per_group_norms: [G, B]
         clipper.remove()
         ```
     """
 
     def __init__(
-        self, model: nn.Module, *, max_grad_norm: float, mode: str = "bk-mixopt", allow_fallback: bool = True
+        self,
+        model: nn.Module,
+        *,
+        max_grad_norm: float,
+        mode: str = "bk-mixopt",
+        allow_fallback: bool = True,
+        clipping_style: str | list[list[str]] = "all-layer",
+        clipping_fn: str = "abadi",
+        gamma: float = 0.01,
+        grad_sink: Callable[[nn.Parameter, Tensor], None] | None = None,
     ) -> None:
         if mode not in CLIPPING_MODES:
             raise ValueError(f"Unknown clipping mode {mode!r}. Choose one of {sorted(CLIPPING_MODES)}.")
-        if not max_grad_norm > 0:
-            raise ValueError(f"`max_grad_norm` must be > 0, got {max_grad_norm}.")
+        self.policy = ClippingPolicy(max_grad_norm=max_grad_norm, style=clipping_style, fn=clipping_fn, gamma=gamma)
+        if mode == "ghost" and not self.policy.is_all_layer:
+            raise ValueError(
+                f"`clipping_style`={clipping_style!r} is not supported in `ghost` mode, whose second backward pass "
+                "reweights whole examples (one coefficient per example). Use `clipping_style='all-layer'`, or a "
+                "one-backward mode (`bk`, `bk-mixopt`, `per-sample`) for group-wise clipping."
+            )
+        if grad_sink is not None and not callable(grad_sink):
+            raise TypeError(f"`grad_sink` must be a callable (param, clipped_sum), got {type(grad_sink).__name__}")
         self.model = model
-        self.max_grad_norm = float(max_grad_norm)
+        self.max_grad_norm = self.policy.max_grad_norm
         self.mode = mode
         self.allow_fallback = allow_fallback
+        self.grad_sink = grad_sink
         self.per_example_norms: Tensor | None = None
+        self.per_group_norms: Tensor | None = None
         self._original_requires_grad = {p: p.requires_grad for p in model.parameters()}
         self._static = plan_coverage(model, allow_fallback=allow_fallback)
         self._trainable = tuple(trainable_parameters(model))
+        self._set_groups()
+        self._warned_scale = False
         # the modules that can turn gradient checkpointing on (transformers sets this attribute), checked per forward
         self._checkpointable = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
         self._plan: Plan | None = None
@@ -122,6 +161,15 @@ class BookKeepingClipper(ForwardHooks, BackwardBookkeeping):
         """``(module name, rule name)`` for every module the engine hooks (the proven plan once a batch was seen)."""
         entries = self._plan.hooked if self._plan is not None else self._static
         return [(h.name, type(h.rule).__name__) for h in entries]
+
+    @property
+    def group_names(self) -> list[list[str]]:
+        """The clipping groups, as lists of parameter names (the row order of :attr:`per_group_norms`)."""
+        return [list(names) for names in self._groups.names]
+
+    def _set_groups(self) -> None:
+        self._groups: ParameterGroups = self.policy.groups(self.model, list(self._trainable))
+        self._group_of = self._groups.index()
 
     def remove(self) -> None:
         """Remove every hook and restore the parameters' ``requires_grad``: the model is a plain model again."""
@@ -171,7 +219,8 @@ class BookKeepingClipper(ForwardHooks, BackwardBookkeeping):
         return self_check(self, inputs, per_example_loss, num_examples=num_examples)
 
     def backward(self, per_example_loss: Tensor) -> Tensor:
-        """Accumulate ``sum_i min(1, C / (||g_i|| + 1e-6)) g_i`` into ``p.grad`` of every trainable parameter.
+        """Accumulate ``sum_i c_i g_i`` into ``p.grad`` of every trainable parameter (group by group with several
+        clipping groups; :attr:`policy` gives ``c``).
 
         One ``per_example_loss.sum().backward()`` (two in ``"ghost"`` mode), then the clipped sum.
 
@@ -179,13 +228,14 @@ class BookKeepingClipper(ForwardHooks, BackwardBookkeeping):
             per_example_loss (`torch.Tensor`): shape ``[B]``; entry ``i`` must depend on example ``i`` alone.
 
         Returns:
-            `torch.Tensor`: the ``[B]`` clipping coefficients (0 for an example whose gradient is not finite).
+            `torch.Tensor`: the clipping coefficients (0 for an example whose gradient is not finite): ``[B]`` with
+            one clipping group, ``[G, B]`` with several.
 
         Raises:
             ValueError: a loss that is not ``[B]`` for the batch of the last forward pass, or no forward pass.
             UnsupportedModuleError: a loss that couples examples (checked on the first batch).
         """
-        self.prepare(per_example_loss)
+        self._begin(per_example_loss, keep_all=False, loss_scale=1.0)
         if self._pass.size > 0 and self._pass.uses:
             try:
                 per_example_loss.sum().backward(retain_graph=self.mode == "ghost")
@@ -194,20 +244,29 @@ class BookKeepingClipper(ForwardHooks, BackwardBookkeeping):
                 raise
         return self.finish(per_example_loss if self.mode == "ghost" else None)
 
-    def prepare(self, per_example_loss: Tensor) -> None:
+    def prepare(self, per_example_loss: Tensor, *, loss_scale: float | None = None) -> None:
         """Start book-keeping the backward pass of ``per_example_loss`` that the caller is about to run.
 
         For callers that run the backward themselves (the Trainer, through accelerate's loss scaling): call
-        ``prepare(loss)``, then any backward of ``w * loss.sum()`` (``w`` a positive constant, e.g. a loss scale), then
-        ``finish(loss_scale=w)``; ``p.grad`` then receives ``w * sum_i clip_C(g_i)``.
+        ``prepare(loss, loss_scale=w)``, then any backward of ``w * loss.sum()`` (``w`` a positive constant, e.g. a
+        loss scale), then ``finish()``; ``p.grad`` then receives ``w * sum_i clip_C(g_i)``.
+
+        Args:
+            per_example_loss (`torch.Tensor`): shape ``[B]``, from the last forward pass.
+            loss_scale (`float`, *optional*): ``w``. With several clipping groups the groups are clipped inside the
+                backward pass only if ``w`` is known here (else in ``finish``, with the same result but no memory
+                saving); ``finish`` may then omit it.
 
         Raises:
-            ValueError: no forward pass with gradients since the last ``finish()``, or a loss that is not ``[B]``.
+            ValueError: no forward pass with gradients since the last ``finish()``, a loss that is not ``[B]``, or a
+                non-positive ``loss_scale``.
             UnsupportedModuleError: a loss that couples examples (checked on the first batch).
         """
-        self._begin(per_example_loss, keep_all=False)
+        self._begin(per_example_loss, keep_all=False, loss_scale=loss_scale)
 
-    def _begin(self, per_example_loss: Tensor, *, keep_all: bool) -> None:
+    def _begin(self, per_example_loss: Tensor, *, keep_all: bool, loss_scale: float | None = None) -> None:
+        if loss_scale is not None and not loss_scale > 0:
+            raise ValueError(f"`loss_scale` must be > 0, got {loss_scale}.")
         if per_example_loss.dim() != 1:
             raise ValueError(
                 f"`per_example_loss` must have shape [B] (one loss per example), got {tuple(per_example_loss.shape)}. "
@@ -230,12 +289,30 @@ class BookKeepingClipper(ForwardHooks, BackwardBookkeeping):
         if self.mode == "ghost" and p.size > 0 and not per_example_loss.requires_grad:
             raise ValueError("`per_example_loss` does not require grad.")
         p.keep_all = keep_all or (self.mode == "ghost" and not self._sum_checked)
+        num_groups = len(self._groups)
         counts: dict[nn.Parameter, int] = defaultdict(int)
+        pending = [0] * num_groups
         for use in p.uses:
+            use.groups = tuple(sorted({self._group_of[q] for q in use.params}))
             for q in use.params:
                 counts[q] += 1
+            for g in use.groups:
+                pending[g] += 1
         p.use_counts = counts
-        p.norm_sq = torch.zeros(p.size, dtype=self._norm_dtype, device=per_example_loss.device)
+        p.pending, p.done, p.pieces = pending, [False] * num_groups, {}
+        device = per_example_loss.device
+        p.norm_sq = torch.zeros(num_groups, p.size, dtype=self._norm_dtype, device=device)
+        p.coef = torch.zeros(num_groups, p.size, dtype=self._norm_dtype, device=device)
+        p.loss_scale = loss_scale
+        p.in_hook = num_groups > 1 and loss_scale is not None and not p.keep_all and self.mode != "ghost"
+        if num_groups > 1 and loss_scale is None and not keep_all and not self._warned_scale:
+            self._warned_scale = True
+            logger.warning(
+                "hf_dp: %d clipping groups, but `prepare()` got no `loss_scale`: the groups are clipped after the "
+                "backward pass (exact, without the memory saving of clipping each group in its hook). Pass "
+                "`prepare(loss, loss_scale=w)`.",
+                num_groups,
+            )
         if not self._support_checked and p.size > 1 and p.uses:
             self._support_check(per_example_loss)
             self._support_checked = True
@@ -249,24 +326,27 @@ class BookKeepingClipper(ForwardHooks, BackwardBookkeeping):
         p.phase = "record" if p.size > 0 else None
         self._prepared = True
 
-    def finish(self, per_example_loss: Tensor | None = None, *, loss_scale: float = 1.0) -> Tensor:
-        """Clip after the backward pass has finished and add the clipped sum to ``p.grad``.
+    def finish(self, per_example_loss: Tensor | None = None, *, loss_scale: float | None = None) -> Tensor:
+        """Clip after the backward pass has finished and add the clipped sum to ``p.grad`` (or hand it to
+        ``grad_sink``); groups already clipped inside the backward pass are done.
 
         Args:
             per_example_loss (`torch.Tensor`, *optional*): the same loss again, for ``"ghost"`` mode's second backward.
-            loss_scale (`float`, *optional*, defaults to 1): ``w`` if the backward ran on ``w * loss.sum()``: norms are
-                divided by it before clipping (so clipping happens at ``w * C`` in the units of the backward, as in
-                Li et al. 2022, App. T, for fp16 loss scaling) and ``p.grad`` receives ``w`` times the clipped sum.
+            loss_scale (`float`, *optional*): ``w`` if the backward ran on ``w * loss.sum()`` (defaults to the one
+                given to :meth:`prepare`, else 1): norms are divided by it before clipping (so clipping happens at
+                ``w * C`` in the units of the backward, as in Li et al. 2022, App. T, for fp16 loss scaling) and
+                ``p.grad`` receives ``w`` times the clipped sum.
 
         Returns:
-            `torch.Tensor`: the ``[B]`` clipping coefficients.
+            `torch.Tensor`: the clipping coefficients, ``[B]`` with one clipping group, ``[G, B]`` with several.
 
         Raises:
-            ValueError: ``prepare()`` was not called since the last ``finish()``; no hooked module received an output
-                gradient (the loss does not depend on the model's forward pass, or the backward did not run); or a
-                parameter received a gradient that bypassed the clipper (used outside the model's forward pass).
+            ValueError: ``prepare()`` was not called since the last ``finish()``; a ``loss_scale`` other than the one
+                given to ``prepare()``; no hooked module received an output gradient (the loss does not depend on the
+                model's forward pass, or the backward did not run); or a parameter received a gradient that bypassed
+                the clipper (used outside the model's forward pass).
         """
-        if not loss_scale > 0:
+        if loss_scale is not None and not loss_scale > 0:
             raise ValueError(f"`loss_scale` must be > 0, got {loss_scale}.")
         if not self._prepared:
             raise ValueError(
@@ -274,13 +354,24 @@ class BookKeepingClipper(ForwardHooks, BackwardBookkeeping):
                 "the backward pass of every micro-batch (or use `backward()`)."
             )
         p = self._pass
+        if p.loss_scale is not None and loss_scale is not None and loss_scale != p.loss_scale:
+            raise ValueError(
+                f"`finish(loss_scale={loss_scale})` differs from the `loss_scale={p.loss_scale}` given to "
+                "`prepare()` (groups may already be clipped with it inside the backward pass). Pass the same value."
+            )
         self._prepared, self._pass = False, None
         p.phase = None
+        p.loss_scale = loss_scale if p.loss_scale is None else p.loss_scale
+        scale = p.loss_scale or 1.0
         for origin in self._origins.values():
             origin.grad = None
         if p.size == 0:
-            self.per_example_norms = p.norm_sq
-            return p.norm_sq
+            self.per_example_norms = p.norm_sq.sum(0)
+            self.per_group_norms = p.norm_sq
+            if self.grad_sink is not None:
+                for q in self._trainable:
+                    self._deliver(p, q, None)
+            return p.coef[0] if len(self._groups) == 1 else p.coef
         if p.uses and p.grad_events == 0:
             raise ValueError(
                 "No hooked module received an output gradient in the backward pass: the per-example loss does not "
@@ -288,38 +379,36 @@ class BookKeepingClipper(ForwardHooks, BackwardBookkeeping):
                 "per-example loss), or the backward pass did not run. Nothing was added to `p.grad`."
             )
         self._check_no_bypass(p)
-        grads_by_param: dict[nn.Parameter, list[PerExampleGrad]] = defaultdict(list)
-        for use in p.uses:
-            for q, g in use.grads.items():
-                grads_by_param[q].append(g)
         p.uses = []
-        with torch.no_grad():
-            pieces = self._shared_norm_sq(p, grads_by_param)
-            norms = p.norm_sq.sqrt() / loss_scale
-            coef = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-            finite = torch.isfinite(norms)
-            coef = torch.where(finite, coef, torch.zeros_like(coef))
-            keep = None if bool(finite.all()) else finite
-            self.per_example_norms = norms.detach()
-            if self.mode == "ghost":
-                self._check_ghost_sums(p, pieces)
         if self.mode == "ghost":
-            if per_example_loss is None:
-                raise ValueError("`ghost` mode needs the per-example loss again for its second backward pass.")
-            for q in self._trainable:
-                q.grad = p.grads_before[q]
-            with self._inert():
-                (per_example_loss * coef.to(per_example_loss.dtype)).sum().backward()
-            for q in self._trainable:
-                if q.grad is not None and q.grad.grad_fn is not None:
-                    q.grad = q.grad.detach()
-            return coef.detach()
+            return self._finish_ghost(p, per_example_loss, scale)
         with torch.no_grad():
-            for q in list(pieces):
-                parts = pieces.pop(q)  # freed as we go: the peak is not "all factors + all gradients"
-                total = weighted_sum(parts[0], coef, q.dtype, keep)
-                for g in parts[1:]:
-                    total += weighted_sum(g, coef, q.dtype, keep)
-                del parts
-                q.grad = total if q.grad is None else q.grad + total
+            for g in range(len(self._groups)):
+                if not p.done[g]:
+                    self._finalize_group(p, g)
+            self.per_group_norms = p.norm_sq.sqrt() / scale
+            self.per_example_norms = p.norm_sq.sum(0).sqrt() / scale
+        coef = p.coef.detach()
+        return coef[0] if len(self._groups) == 1 else coef
+
+    def _finish_ghost(self, p: Pass, per_example_loss: Tensor | None, scale: float) -> Tensor:
+        """GhostClip: norms from the first backward (one group), then a second backward of the reweighted loss."""
+        with torch.no_grad():
+            pieces = self._group_pieces(p, 0)
+            norms = p.norm_sq.sum(0).sqrt() / scale
+            coef = self.policy.coefficients(norms, 1)
+            self.per_example_norms = norms.detach()
+            self.per_group_norms = p.norm_sq.sqrt() / scale
+            self._check_ghost_sums(p, pieces)
+            del pieces
+        if per_example_loss is None:
+            raise ValueError("`ghost` mode needs the per-example loss again for its second backward pass.")
+        for q in self._trainable:  # drop the first backward's unclipped sums (checked above)
+            q.grad = None
+        with self._inert():
+            (per_example_loss * coef.to(per_example_loss.dtype)).sum().backward()
+        for q in self._trainable:
+            total = q.grad.detach() if q.grad is not None else None
+            q.grad = p.grads_before[q]
+            self._deliver(p, q, total)
         return coef.detach()

@@ -71,6 +71,7 @@ class ForwardHooks:
         # requires_grad changed: check coverage again, and prove a new plan on the next batch
         self._static = plan_coverage(self.model, allow_fallback=self.allow_fallback)
         self._trainable = tuple(current)
+        self._set_groups()
         self._norm_dtype = self._compute_norm_dtype()
         self._uninstall()
         return True

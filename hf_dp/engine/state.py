@@ -44,7 +44,7 @@ class Use:
     params: list[nn.Parameter]
     captured: Captured | None
     layout: CallLayout
-    grads: dict[nn.Parameter, PerExampleGrad] = field(default_factory=dict)
+    groups: tuple[int, ...] = ()  # the clipping groups of its parameters (set by `prepare`)
 
 
 @dataclass(eq=False)
@@ -60,8 +60,15 @@ class Pass:
     phase: str | None = None  # None, "record" (our backward), "support" (the first-batch layout check)
     support_example: int = 0
     support_failures: list[str] = field(default_factory=list)
-    norm_sq: Tensor | None = None
+    norm_sq: Tensor | None = None  # [G, B] squared per-example norms of each clipping group (in backward units)
     use_counts: dict[nn.Parameter, int] = field(default_factory=dict)
+    pieces: dict[nn.Parameter, list[PerExampleGrad]] = field(default_factory=dict)  # book-kept, not yet clipped
+    pending: list[int] = field(default_factory=list)  # per group: uses whose output gradient has not arrived
+    done: list[bool] = field(default_factory=list)  # per group: clipped sum delivered
+    coef: Tensor | None = None  # [G, B] coefficients of the groups clipped so far
+    loss_scale: float | None = None  # w of the backward of w * loss.sum(), if known at `prepare`
+    in_hook: bool = False  # clip each group inside the backward, as soon as all its uses are seen
+    bypassed: set = field(default_factory=set)  # parameters whose p.grad autograd wrote before we did
     grad_events: int = 0
     grads_before: dict | None = None  # ghost mode: p.grad before the first backward; bk: (id, version) of p.grad
     complete: bool = False  # the forward pass returned

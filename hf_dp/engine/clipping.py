@@ -1,0 +1,91 @@
+"""Clipping the book-kept per-example gradients of one clipping group and delivering the clipped sum.
+
+A group (:mod:`.policy`) is clipped once every use of its parameters recorded in the forward pass has received its
+output gradient: with several groups (layer-wise, param-wise, named groups) that happens inside the backward pass, in
+the hook of the group's last use, and the group's book-kept factors are freed right there (memory close to
+non-private: only the groups still waiting hold factors); with one group (all-layer) after the backward pass. No hook
+order is assumed: a group whose uses are not all seen waits, and whatever is left is clipped in ``finish()`` (a use
+whose output never received a gradient contributes nothing).
+
+For a parameter used several times the group's squared norm gets ``||sum_k G_k||^2`` (uses of the same kind merged
+exactly, :func:`~hf_dp.layers.grads.merge`, the rest through the cross terms ``2 <G_k, G_l>``; DESIGN §4.2).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..layers.grads import PerExampleGrad, inner, merge, norm_sq, weighted_sum
+from .state import Pass, grad_stamp
+
+__all__ = ["GroupClipping"]
+
+
+class GroupClipping:
+    """Mixin of :class:`~hf_dp.engine.BookKeepingClipper`: clip a group, hand its clipped sum over."""
+
+    def _merged_norm_sq(self, parts: list[PerExampleGrad]) -> tuple[Tensor, list[PerExampleGrad]]:
+        """``||sum_k G_k||^2`` per example for the per-use gradients of one parameter, and the merged pieces."""
+        parts = merge(parts) if len(parts) > 1 else parts
+        total = None
+        for k, gk in enumerate(parts):
+            term = norm_sq(gk, self._norm_dtype)
+            for gl in parts[k + 1 :]:
+                term = term + 2 * inner(gk, gl, self._norm_dtype)
+            total = term if total is None else total + term
+        return total, parts
+
+    def _group_pieces(self, p: Pass, g: int) -> dict[nn.Parameter, list[PerExampleGrad]]:
+        """Take the book-kept pieces of group ``g`` out of the pass, adding the norms of shared parameters."""
+        pieces = {}
+        for q in self._groups.params[g]:
+            parts = p.pieces.pop(q, None)
+            if not parts:
+                continue
+            if p.use_counts.get(q, 0) > 1 or p.keep_all:
+                extra, parts = self._merged_norm_sq(parts)
+                p.norm_sq[g] += extra
+            pieces[q] = parts
+        return pieces
+
+    def _finalize_group(self, p: Pass, g: int) -> None:
+        """Clip group ``g`` at ``C_g`` and deliver its clipped sum, parameter by parameter, freeing as it goes."""
+        with torch.no_grad():
+            pieces = self._group_pieces(p, g)
+            norms = p.norm_sq[g].sqrt() / (p.loss_scale or 1.0)
+            coef = self.policy.coefficients(norms, len(self._groups))
+            finite = torch.isfinite(norms)
+            keep = None if bool(finite.all()) else finite
+            p.coef[g] = coef
+            for q in self._groups.params[g]:
+                parts = pieces.pop(q, None)
+                total = None
+                if parts:
+                    total = weighted_sum(parts[0], coef, q.dtype, keep)
+                    for part in parts[1:]:
+                        total += weighted_sum(part, coef, q.dtype, keep)
+                    del parts
+                self._deliver(p, q, total)
+        p.done[g] = True
+
+    def _deliver(self, p: Pass, q: nn.Parameter, total: Tensor | None) -> None:
+        """``grad_sink(q, total)`` (zeros for a parameter no use reached), else ``q.grad += total``."""
+        if self.grad_sink is not None:
+            self.grad_sink(q, torch.zeros_like(q) if total is None else total)
+            return
+        if total is None:
+            return
+        stamps = p.grads_before if self.mode != "ghost" else None
+        if stamps is not None and grad_stamp(q) != stamps.get(q):
+            p.bypassed.add(q)  # autograd wrote p.grad during this backward: reported by `_check_no_bypass`
+        q.grad = total if q.grad is None else q.grad + total
+        if stamps is not None:
+            stamps[q] = grad_stamp(q)
+
+    def _use_done(self, p: Pass, groups: tuple[int, ...]) -> None:
+        """One more use of ``groups`` has its per-example gradients: clip the groups that have all of theirs."""
+        for g in groups:
+            p.pending[g] -= 1
+            if p.pending[g] == 0 and not p.done[g]:
+                self._finalize_group(p, g)

@@ -1,17 +1,30 @@
-"""Step time and peak memory of one training step: non-private vs hf_dp (bk, bk-mixopt, ghost) vs Opacus.
+"""Step time and peak memory of one training step: non-private vs hf_dp (bk, bk-mixopt, layer-wise, ghost) vs Opacus.
 
 Each variant runs in its own process (so peak memory is its own), side by side in one run; one line per
 measurement, then a table of ratios to non-private. A benchmark, not a test.
 
     python benchmarks/step_time.py                       # CPU default: GPT-2 shape 4 x 256, vocab 8000, B=16, T=96
+    python benchmarks/step_time.py --shape gpt2-small    # GPT-2 small: 12 x 768, vocab 50257, T=128 (B=4 on CPU)
+    python benchmarks/step_time.py --checkpointing       # also every non-private / hf_dp variant with activation
+                                                         # checkpointing (HF `gradient_checkpointing_enable()`)
     python benchmarks/step_time.py --device cuda --layers 12 --hidden 768 --vocab 50257 --seq 100 --batch 32
     python benchmarks/step_time.py --accum 4             # 4 micro-batches per optimizer step
     python benchmarks/step_time.py --variants hf_dp-first-step   # one-time costs: plan, checks, self-check
+
+Variants: ``non-private``; ``hf_dp-bk``, ``hf_dp-bk-mixopt``, ``hf_dp-ghost`` (all-layer clipping);
+``hf_dp-layer-wise`` (bk-mixopt, ``clipping_style="layer-wise"``: each layer clipped in its backward hook);
+``hf_dp-automatic`` (bk-mixopt, ``clipping_fn="automatic"``); ``hf_dp-per-sample``; ``opacus``
+(``GradSampleModule`` + ``DPOptimizer``, noise 0). A variant ending in ``+ckpt`` runs with activation checkpointing
+(non-reentrant, the transformers default).
 
 A step is ``--accum`` micro-batches (forward + backward each) and one AdamW step. For hf_dp the first micro-batch
 after building the clipper also proves the plan (sub-batch probe, rule checks, verified forward, layout check of
 the loss); the warm-up steps absorb it. ``hf_dp-first-step`` instead times that first micro-batch, a steady one,
 and ``BookKeepingClipper.self_check`` on the micro-batch (3 examples), each in a fresh clipper.
+
+Memory: on CPU the process's peak RSS above its RSS before the model was built, with glibc's default allocator
+settings unless ``--keep-heap`` (which keeps freed memory in the heap, like a caching allocator on GPU, so that
+memory-bound kernels are not timed re-faulting pages); on CUDA ``torch.cuda.max_memory_allocated``.
 """
 
 from __future__ import annotations
@@ -26,33 +39,57 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ["non-private", "hf_dp-bk", "hf_dp-bk-mixopt", "hf_dp-ghost", "opacus"]
-EXTRA_VARIANTS = ["hf_dp-per-sample", "hf_dp-first-step"]
+VARIANTS = ["non-private", "hf_dp-bk", "hf_dp-bk-mixopt", "hf_dp-layer-wise", "hf_dp-ghost", "opacus"]
+EXTRA_VARIANTS = ["hf_dp-per-sample", "hf_dp-automatic", "hf_dp-first-step"]
+#: variant -> BookKeepingClipper keywords
+HF_DP = {
+    "hf_dp-bk": {"mode": "bk"},
+    "hf_dp-bk-mixopt": {"mode": "bk-mixopt"},
+    "hf_dp-ghost": {"mode": "ghost"},
+    "hf_dp-per-sample": {"mode": "per-sample"},
+    "hf_dp-layer-wise": {"mode": "bk-mixopt", "clipping_style": "layer-wise"},
+    "hf_dp-automatic": {"mode": "bk-mixopt", "clipping_fn": "automatic"},
+}
+#: shape presets: layers, hidden, heads, vocab, seq, batch (explicit arguments override them)
+SHAPES = {
+    "cpu-default": {"layers": 4, "hidden": 256, "heads": 4, "vocab": 8000, "seq": 96, "batch": 16},
+    "gpt2-small": {"layers": 12, "hidden": 768, "heads": 12, "vocab": 50257, "seq": 128, "batch": 4},
+}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8000)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=96)
+    p.add_argument("--shape", default="cpu-default", choices=sorted(SHAPES))
+    p.add_argument("--layers", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--seq", type=int)
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS + EXTRA_VARIANTS)
+    p.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="also run every non-private and hf_dp variant with activation checkpointing (rows `<variant>+ckpt`)",
+    )
     p.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant in this process
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     p.add_argument(
-        "--system-malloc",
+        "--keep-heap",
         action="store_true",
-        help="keep glibc's default, which unmaps every large block on free so each step re-faults its pages "
-        "(by default the children keep freed memory in the heap, like a caching allocator on GPU)",
+        help="keep freed memory in glibc's heap (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ = 4 GiB), like a "
+        "caching allocator on GPU; by default glibc's own settings, which unmap every large block on free",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for key, value in SHAPES[args.shape].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
 
 
 def rss_mb() -> float:
@@ -88,12 +125,15 @@ def run_variant(args) -> dict:
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     position_ids = torch.arange(args.seq, device=device).expand(args.batch, -1)
     variant = args.variant
+    base = variant.removesuffix("+ckpt")
+    if variant.endswith("+ckpt"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if variant == "hf_dp-first-step":
         return first_step_costs(args, model, ids, position_ids)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     clipper = None
-    if variant.startswith("hf_dp"):
-        clipper = BookKeepingClipper(model, max_grad_norm=1.0, mode=variant.removeprefix("hf_dp-"))
+    if base in HF_DP:
+        clipper = BookKeepingClipper(model, max_grad_norm=1.0, **HF_DP[base])
     if variant == "opacus":
         from opacus import GradSampleModule
         from opacus.optimizers import DPOptimizer
@@ -107,7 +147,7 @@ def run_variant(args) -> dict:
         for _ in range(args.accum):
             out = model(input_ids=ids, position_ids=position_ids)
             loss = causal_lm_loss(out.logits, ids, reduction="sum")
-            if variant == "non-private":
+            if base == "non-private":
                 loss.sum().backward()
             elif clipper is not None:
                 clipper.backward(loss)
@@ -187,17 +227,21 @@ def main(argv=None):
         print(json.dumps(run_variant(args)))
         return
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
+    passthrough = [a for a in passthrough if a != "--checkpointing"]
     print(
         f"# machine: {platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}, "
         f"device {args.device}; model GPT-2 {args.layers}x{args.hidden}, vocab {args.vocab}, B={args.batch}, "
-        f"T={args.seq}, {args.dtype}, {args.accum} micro-batch(es) per step"
+        f"T={args.seq}, {args.dtype}, {args.accum} micro-batch(es) per step; load {os.getloadavg()[0]:.2f}"
     )
     env = dict(os.environ)
-    if not args.system_malloc and args.device == "cpu":
+    if args.keep_heap and args.device == "cpu":
         env.update(MALLOC_MMAP_THRESHOLD_="4294967296", MALLOC_TRIM_THRESHOLD_="4294967296")
-    print(f"# allocator: {'glibc default' if args.system_malloc else 'glibc, freed memory kept in the heap'}")
+    print(f"# allocator: {'glibc, freed memory kept in the heap' if args.keep_heap else 'glibc default'}")
+    variants = list(args.variants)
+    if args.checkpointing:
+        variants += [f"{v}+ckpt" for v in args.variants if v == "non-private" or v in HF_DP]
     results = []
-    for variant in args.variants:
+    for variant in variants:
         cmd = [sys.executable, __file__, *passthrough, "--variant", variant]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:

@@ -147,6 +147,43 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
         "both passes book-kept, cross terms exact",
         ["test_engine_layouts::test_two_forward_passes_before_one_loss"],
     ),
+    (
+        "A path some batches take and others do not (T5's encoder mask, built only when some example is padded)",
+        f"exact: {ALL}",
+        "layouts proven again in the forward pass on sub-batches of that batch which take the path; kept per "
+        "structure of the call",
+        [
+            "test_engine_paths::test_padding_only_beyond_the_probed_examples",
+            "test_engine_paths::test_micro_batch_and_length_sweep",
+        ],
+    ),
+    (
+        "Group-wise clipping (`clipping_style`: layer-wise, param-wise, groups of name patterns; tied parameters in "
+        "one group) and automatic clipping (`clipping_fn`)",
+        "exact: bk, bk-mixopt, per-sample (ghost: all-layer only)",
+        "per-group norms from the same book-kept factors; with several groups each group is clipped in the hook of "
+        "its last use and its factors freed there",
+        [
+            "test_engine_policies::test_policy_matches_group_oracle",
+            "test_engine_policies::test_modules_sharing_a_parameter_are_one_group",
+            "test_engine_policies::test_ghost_mode_takes_automatic_clipping",
+        ],
+    ),
+    (
+        "Activation checkpointing, non-reentrant (transformers' `gradient_checkpointing_enable` / "
+        "`activation_checkpointing_enable`, `torch.utils.checkpoint(..., use_reentrant=False)`)",
+        "exact: bk, bk-mixopt, per-sample, every clipping style",
+        "no input kept in the forward pass: each checkpointed call's inputs are book-kept from the recomputation in "
+        "the backward pass (parameters out of autograd there too)",
+        [
+            "test_engine_checkpointing::test_hf_checkpointing_matches_oracle",
+            "test_engine_checkpointing::test_checkpointed_layouts_and_fallbacks",
+            "test_engine_checkpointing::test_plain_torch_checkpoint_per_block",
+            "test_engine_checkpointing::test_whole_model_checkpointed",
+            "test_engine_checkpointing::test_dropout_inside_checkpointed_fallback_is_replayed",
+            "test_engine_checkpointing::test_inputs_come_from_the_recomputation",
+        ],
+    ),
     # refused
     (
         "BatchNorm; InstanceNorm with running statistics",
@@ -161,10 +198,17 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
         ["layers.test_embedding::test_unsupported_embedding_options_raise"],
     ),
     (
-        "Gradient checkpointing",
+        "Reentrant activation checkpointing (`use_reentrant=True`, torch's default); checkpointing in ghost mode; "
+        "random draws in a checkpointed region inside a fallback module hooked outside it (BEiT with stochastic "
+        "depth)",
         "refused at the first forward",
-        "it recomputes the forward inside the backward",
-        ["test_engine_lifecycle::test_gradient_checkpointing_is_refused"],
+        "reentrant: a second graph built in the backward pass; ghost: a second backward without book-keeping; "
+        "BEiT: the recomputation would draw differently from the replay",
+        [
+            "test_engine_checkpointing::test_reentrant_checkpointing_is_refused",
+            "test_engine_checkpointing::test_ghost_mode_refuses_checkpointing",
+            "test_engine_checkpointing::test_random_draws_under_an_enclosing_fallback_are_refused",
+        ],
     ),
     (
         "Root inputs that are not batch-first (`[T, B, ...]`, also when T == B); `PackedSequence` inputs",

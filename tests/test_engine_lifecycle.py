@@ -148,17 +148,6 @@ def test_batch_second_root_inputs_are_refused_even_when_t_equals_b():
     clipper.remove()
 
 
-def test_gradient_checkpointing_is_refused():
-    model = gpt2()
-    model.gradient_checkpointing_enable()
-    model.train()
-    clipper = BookKeepingClipper(model, max_grad_norm=1.0)
-    with pytest.raises(UnsupportedModuleError, match="gradient_checkpointing_disable"):
-        causal_loss(model, causal_batches()[0])
-    clipper.remove()
-    assert all(p.requires_grad for p in model.parameters())
-
-
 def test_requires_grad_change_is_planned_again(float64):
     model = _mlp()
     clipper = BookKeepingClipper(model, max_grad_norm=1e-3)

@@ -13,7 +13,7 @@ import torch
 from models import padded_ids, seq2seq_loss, t5
 from oracle import check_clipper
 
-MODES = ["bk", "bk-mixopt", "per-sample"]
+MODES = ["bk", "bk-mixopt", "per-sample", "ghost"]
 
 
 def _batch(lengths, target_lengths, source_len, target_len, seed):

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from ..layers import UnsupportedModuleError
 from ..layers.grads import FactoredGrad, PerExampleGrad, instantiate, norm_sq, weighted_sum
+from .checkpointing import own_saved_tensors
 from .rows import closed_form_grads, foreign_rows
 from .state import Pass, Use, grad_stamp
 
@@ -38,12 +39,23 @@ class BackwardBookkeeping:
 
     def _on_grad(self, use: Use, grad) -> None:
         p = self._pass
-        if p is None or p.phase is None or use.captured is None:
+        if p is None or p.phase is None:
             return
         if p.phase == "support":
             self._check_support(use, grad)
             return
+        if use.processed:
+            return
+        if use.captured is None:
+            if use.region is not None:  # checkpointed: its inputs come with the region's recomputation
+                use.pending_grad = grad
+            return
+        use.processed = True
         p.grad_events += 1
+        with own_saved_tensors():  # a recomputation may be in progress (its inputs just arrived)
+            self._process(p, use, grad)
+
+    def _process(self, p, use: Use, grad) -> None:
         grads = self._per_example_grads(use, grad)
         use.captured = None  # the factors keep what the clipped sum needs; drop the rest
         group_of = self._group_of
@@ -96,7 +108,9 @@ class BackwardBookkeeping:
             for j in sorted({0, p.size - 1}):
                 p.support_example = j
                 torch.autograd.grad(loss[j], inputs, allow_unused=True, retain_graph=True)
+                self._recompute_leave()  # a checkpointed region's recomputation switched the parameters off
         finally:
+            self._recompute_leave()
             p.phase = None
             for origin in self._origins.values():
                 origin.grad = None
@@ -121,6 +135,27 @@ class BackwardBookkeeping:
                     "the backward pass: it is used outside the model's forward pass (e.g. in the loss), where its "
                     "gradient would not be clipped. Compute the per-example loss from the model's outputs only."
                 )
+
+    def _check_graph_for_bypass(self, loss: Tensor) -> None:
+        """With activation checkpointing the parameters stay out of autograd from a region's recomputation to
+        ``finish()``, and autograd then skips (silently) the gradient of a parameter used outside the model's forward
+        pass: look for such a use in the loss's graph before the backward pass instead (a node accumulating into a
+        trainable parameter; ghost differentiation leaves none for the uses the hooks cover)."""
+        trainable = {id(q): q for q in self._trainable}
+        seen, stack = set(), [loss.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            var = getattr(node, "variable", None)
+            if var is not None and trainable.get(id(var)) is var:
+                raise UnsupportedModuleError(
+                    f"Trainable parameter `{self._names()[1].get(var, '?')}` is used outside the model's forward pass "
+                    "(e.g. in the loss), where its gradient would not be clipped. Compute the per-example loss from "
+                    "the model's outputs only."
+                )
+            stack.extend(n for n, _ in node.next_functions)
 
     def _check_ghost_sums(self, p: Pass, pieces: dict[nn.Parameter, list[PerExampleGrad]]) -> None:
         """Once per plan in ghost mode: autograd's gradient of the summed loss must equal the sum of the engine's
@@ -175,6 +210,7 @@ class BackwardBookkeeping:
             return out
         finally:
             self._force_ghost_diff = False
+            self._recompute_leave()
             for origin in self._origins.values():
                 origin.grad = None
             self._pass, self._prepared, self._capturing, self.per_example_norms, self.per_group_norms = saved

@@ -27,7 +27,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from ..layers import UnsupportedModuleError
 from .backward import BackwardBookkeeping
+from .capture import CallCapture
 from .clipping import GroupClipping
 from .coverage import plan_coverage, trainable_parameters
 from .forward import ForwardHooks
@@ -50,7 +52,7 @@ CLIPPING_MODES: dict[str, str] = {
 }
 
 
-class BookKeepingClipper(ForwardHooks, BackwardBookkeeping, GroupClipping):
+class BookKeepingClipper(ForwardHooks, CallCapture, BackwardBookkeeping, GroupClipping):
     """Per-example gradient clipping for any ``nn.Module``, by book-keeping, in one backward pass.
 
     Args:
@@ -149,6 +151,8 @@ class BookKeepingClipper(ForwardHooks, BackwardBookkeeping, GroupClipping):
         self._recorder = None
         self._origins: dict[tuple, Tensor] = {}
         self._root_call: tuple | None = None  # (args, kwargs, batch) of the forward pass in progress
+        self._early_stop = None  # checkpoint early stop switched off during the forward pass
+        self._recomputing = False  # parameters switched off during a checkpointed region's recomputation
         self._norm_dtype = self._compute_norm_dtype()
         self._root_handles = [
             model.register_forward_pre_hook(ModelHook(self._on_root_start), with_kwargs=True, prepend=True),
@@ -174,6 +178,7 @@ class BookKeepingClipper(ForwardHooks, BackwardBookkeeping, GroupClipping):
     def remove(self) -> None:
         """Remove every hook and restore the parameters' ``requires_grad``: the model is a plain model again."""
         self._end_capture()
+        self._recomputing = False
         for handle in self._root_handles + self._plan_handles:
             handle.remove()
         self._root_handles, self._plan_handles = [], []
@@ -313,6 +318,8 @@ class BookKeepingClipper(ForwardHooks, BackwardBookkeeping, GroupClipping):
                 "`prepare(loss, loss_scale=w)`.",
                 num_groups,
             )
+        if p.regions and not keep_all and per_example_loss.requires_grad:
+            self._check_graph_for_bypass(per_example_loss)
         if not self._support_checked and p.size > 1 and p.uses:
             self._support_check(per_example_loss)
             self._support_checked = True
@@ -361,6 +368,7 @@ class BookKeepingClipper(ForwardHooks, BackwardBookkeeping, GroupClipping):
             )
         self._prepared, self._pass = False, None
         p.phase = None
+        self._recompute_leave()
         p.loss_scale = loss_scale if p.loss_scale is None else p.loss_scale
         scale = p.loss_scale or 1.0
         for origin in self._origins.values():
@@ -379,6 +387,13 @@ class BookKeepingClipper(ForwardHooks, BackwardBookkeeping, GroupClipping):
                 "per-example loss), or the backward pass did not run. Nothing was added to `p.grad`."
             )
         self._check_no_bypass(p)
+        if any(use.pending_grad is not None for use in p.uses):
+            names = sorted({use.entry.name for use in p.uses if use.pending_grad is not None})
+            raise UnsupportedModuleError(
+                f"The checkpointed calls of {names[:3]} received their output gradients, but their region was never "
+                "recomputed in the backward pass, so their inputs were never book-kept. Nothing was added to "
+                "`p.grad`; turn activation checkpointing off for these modules."
+            )
         p.uses = []
         if self.mode == "ghost":
             return self._finish_ghost(p, per_example_loss, scale)

@@ -17,18 +17,22 @@ from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from ..layers import Captured, Layout, ScaledRule, UnsupportedModuleError
-from ..layers.base import autocast_state
+from ..layers import ScaledRule, UnsupportedModuleError
 from ..layers.grads import compute_dtype
 from ..layers.replay import RandomRecorder
 from .batch import RootBatch, root_batch, slice_batch
+from .checkpointing import (
+    CHECKPOINTING_SUPPORTED,
+    checkpoint_region,
+    own_saved_tensors,
+    reentrant_checkpointing,
+)
 from .coverage import HookedModule, plan_coverage, trainable_parameters
 from .planner import CallLayout, Plan, build_plan, expansion_changes_output, fits, needs_third_run
-from .probe import eval_mode, flatten_call, flatten_output, frozen_rng, run_probe
-from .rows import grad_layout
-from .state import ModelHook, Pass, Use, expand_output
+from .probe import eval_mode, frozen_rng, run_probe
+from .state import ModelHook, Pass, expand_output
 from .verify import Verification
 
 logger = logging.getLogger("hf_dp.engine.clipper")
@@ -89,7 +93,7 @@ class ForwardHooks:
         params = {id(p): p for p in self._trainable}
         devices = sorted({p.device for p in self.model.parameters()}, key=str)
         second = second if batch.size > 1 else first
-        with self._inert(), frozen_rng(devices):
+        with self._inert(), frozen_rng(devices), own_saved_tensors():  # maybe inside a checkpointed region
             try:
                 one = run_probe(self.model, *slice_batch(args, kwargs, batch, [first]), params)
                 pair = [second, first]
@@ -257,6 +261,10 @@ class ForwardHooks:
     def _on_root_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._internal:
             return None
+        if self._pass is not None and self._pass.phase is not None and _recomputing():
+            self._recompute_enter(module)  # the whole model is checkpointed: this is its recomputation
+            return None
+        self._recompute_leave()
         if self._capturing:  # the previous forward pass raised and never reached the root's post-hook
             self._end_capture()
             self._pass = None
@@ -271,12 +279,8 @@ class ForwardHooks:
             return None
         if self._replan_if_changed():
             self._pass = None
-        if self.model.training and any(m.gradient_checkpointing is True for m in self._checkpointable):
-            raise UnsupportedModuleError(
-                "Gradient checkpointing is on: it recomputes parts of the forward pass inside the backward pass, where "
-                "book-keeping cannot follow them. Call `model.gradient_checkpointing_disable()` (or set "
-                "`gradient_checkpointing=False`)."
-            )
+        if self.model.training:
+            self._check_checkpointing()
         batch = root_batch(self.model, args, kwargs)
         self._root_call = (args, kwargs, batch)  # for proving layouts of a path first taken in this pass
         if batch.size > 0 and self._plan is None:
@@ -302,8 +306,12 @@ class ForwardHooks:
             self._verification.start()
         # dropout in a module the fallback re-runs per example is recorded, to be replayed in the re-run
         self._record_random = self.model.training and bool(self._fallback_modules)
-        self._on_module_start(module, args)
+        self._pass.record_random = self._record_random
         self._capturing = True
+        self._on_module_start(module, args)
+        # a checkpointed region is recomputed in full (no early stop), so that every hooked call in it runs again
+        self._early_stop = set_checkpoint_early_stop(False)
+        self._early_stop.__enter__()
         if self._pass.ghost_diff:
             for p in self._trainable:
                 p.requires_grad_(False)
@@ -328,6 +336,9 @@ class ForwardHooks:
             recorder.__exit__(None, None, None)
         self._record_random = False
         self._root_call = None
+        if self._early_stop is not None:
+            early_stop, self._early_stop = self._early_stop, None
+            early_stop.__exit__(None, None, None)
         self._stop_verification()
         if self._capturing and self._pass is not None and self._pass.ghost_diff:
             for p in self._trainable:
@@ -343,17 +354,45 @@ class ForwardHooks:
         p = self._pass
         if self._internal or p is None:
             return None
+        if not self._capturing:
+            if p.phase is not None and _recomputing():
+                self._recompute_enter(module)
+            return None
+        if CHECKPOINTING_SUPPORTED:
+            self._region_start()
         count = p.counts.get(id(module), 0)
         p.counts[id(module)] = count + 1
         p.ordinal[id(module)] = count
         for q in self._shadow_start.get(id(module), ()):
             self._shadow_depth[q] += 1
         if self._record_random and id(module) in self._fallback_modules:
-            if self._recorder is None:
-                self._recorder = RandomRecorder()
-                self._recorder.__enter__()
-            self._recorder.frames.append([])
+            self._push_random_frame()
         return None
+
+    def _push_random_frame(self) -> None:
+        if self._recorder is None:
+            self._recorder = RandomRecorder(on_draw=self._on_random_draw if CHECKPOINTING_SUPPORTED else None)
+            self._recorder.__enter__()
+        self._recorder.frames.append([])
+
+    def _check_checkpointing(self) -> None:
+        """Refuse activation checkpointing the engine cannot follow, before the forward pass (training only)."""
+        on = [m for m in self._checkpointable if getattr(m, "gradient_checkpointing", False) is True]
+        if on and not CHECKPOINTING_SUPPORTED:
+            raise UnsupportedModuleError(
+                "Activation checkpointing is on, and this version of torch does not let hf_dp tell a checkpointed "
+                "forward pass from its recomputation. Call `model.gradient_checkpointing_disable()` (or set "
+                "`gradient_checkpointing=False`)."
+            )
+        reentrant = reentrant_checkpointing(self.model) if on else []
+        if reentrant:
+            raise UnsupportedModuleError(
+                f"Activation checkpointing of {reentrant[:3]}{' ...' if len(reentrant) > 3 else ''} is reentrant "
+                "(`use_reentrant=True`, or torch's default): it runs the layers without gradients and backpropagates "
+                "a second graph built in the backward pass, which book-keeping cannot follow. Enable it with "
+                '`model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})` (or '
+                "`gradient_checkpointing_kwargs` in the training arguments)."
+            )
 
     def _pop_random_frame(self) -> list:
         recorder = self._recorder
@@ -370,88 +409,6 @@ class ForwardHooks:
         if key not in self._origins:
             self._origins[key] = torch.zeros((), device=like.device, dtype=like.dtype, requires_grad=True)
         return self._origins[key]
-
-    def _on_forward(self, entry: HookedModule, module: nn.Module, args: tuple, kwargs: dict, output):
-        plan, p = self._plan, self._pass
-        if self._internal or p is None or plan is None or not self._capturing:
-            return None
-        random = self._pop_random_frame() if entry.is_fallback and self._record_random else []
-        shadowing = plan.shadowing.get(id(entry), ())
-        params = entry.params
-        shadowed = plan.shadowed.get(id(entry))
-        if shadowed:
-            skip = {q for q in shadowed if self._shadow_depth[q] - (q in shadowing) > 0}
-            if skip:
-                params = [q for q in params if q not in skip]
-        for q in shadowing:
-            self._shadow_depth[q] -= 1
-        if not params or p.size == 0 or output is None:
-            return None
-        ordinal = p.ordinal.get(id(module), 0)
-        out_leaves = flatten_output(output)
-        in_leaves = flatten_call(args, kwargs) if entry.is_fallback else None
-        layout = self._layout_for(entry, module, ordinal, in_leaves, out_leaves)
-        if entry.is_fallback:
-            return self._capture_fallback(entry, params, module, args, kwargs, output, layout, random)
-        return self._capture_closed_form(entry, params, module, args, kwargs, output, layout)
-
-    def _capture_closed_form(self, entry, params, module, args, kwargs, output, layout: CallLayout):
-        b = self._pass.size
-        out_layout: Layout = layout.outputs[0]
-        if not isinstance(output, Tensor):
-            raise UnsupportedModuleError(
-                f"Module `{entry.name}` ({type(module).__name__}) returned {type(output).__name__} instead of the "
-                "tensor it returned on the first batch."
-            )
-        captured = entry.rule.capture(module, args, kwargs, output)
-        captured.args = tuple(x.detach() if isinstance(x, Tensor) else x for x in captured.args)
-        new_output = None
-        if out_layout.broadcast:
-            output = new_output = output.expand(b * out_layout.repeat, *output.shape[1:])
-        if not output.requires_grad:
-            # Ghost differentiation leaves this output without a graph (its inputs need no gradient and its
-            # parameters are switched off); a zero scalar that requires grad gives it one at ~no cost.
-            output = new_output = output + self._origin(output)
-        use = Use(entry, params, captured, layout)
-        self._pass.uses.append(use)
-        output.register_hook(functools.partial(self._on_output_grad, use, None))
-        return new_output
-
-    def _capture_fallback(self, entry, params, module, args, kwargs, output, layout: CallLayout, random: list):
-        b = self._pass.size
-        leaves, spec = tree_flatten(output)
-        in_leaves, in_spec = tree_flatten((tuple(args), dict(kwargs)))
-        positions, tensors, changed = [], [], False
-        for j, (leaf, lay) in enumerate(zip(leaves, layout.outputs, strict=True)):
-            if lay is None:
-                continue
-            if lay.broadcast:
-                leaf, changed = leaf.expand(b * lay.repeat, *leaf.shape[1:]), True
-            if not leaf.requires_grad:
-                leaf, changed = leaf + self._origin(leaf), True
-            leaves[j] = leaf
-            positions.append(j)
-            tensors.append(leaf)
-        out_layouts = [None if lay is None else grad_layout(lay) for lay in layout.outputs]
-        in_leaves = [None if i in layout.drop else x for i, x in enumerate(in_leaves)]  # caches: proven empty here
-        detached = tree_unflatten([x.detach() if isinstance(x, Tensor) else x for x in in_leaves], in_spec)
-        captured = Captured(
-            args=detached[0],
-            kwargs=detached[1],
-            layouts=(layout.inputs, out_layouts),
-            batch_size=b,
-            autocast=autocast_state(),
-            random=random,
-        )
-        use = Use(entry, params, captured, layout)
-        self._pass.uses.append(use)
-        if len(tensors) == 1:
-            tensors[0].register_hook(functools.partial(self._on_output_grad, use, positions))
-        elif tensors:
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, functools.partial(self._on_output_grads, use, positions), mode="all"
-            )
-        return tree_unflatten(leaves, spec) if changed else None
 
 
 def _entry_key(entry: HookedModule) -> tuple:
@@ -471,3 +428,8 @@ def _same_structure(call, in_leaves, out_leaves, fallback: bool) -> bool:
     if [_kind(x) for x in call.out_leaves] != [_kind(x) for x in out_leaves]:
         return False
     return not fallback or [_kind(x) for x in call.in_leaves] == [_kind(x) for x in in_leaves]
+
+
+def _recomputing() -> bool:
+    region = checkpoint_region() if CHECKPOINTING_SUPPORTED else None
+    return region is not None and region[0] == "recompute"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -45,6 +46,9 @@ class Use:
     captured: Captured | None
     layout: CallLayout
     groups: tuple[int, ...] = ()  # the clipping groups of its parameters (set by `prepare`)
+    region: Any = None  # the checkpoint frame of a call inside activation checkpointing (inputs come in recomputation)
+    pending_grad: Any = None  # an output gradient that arrived before the recomputation
+    processed: bool = False  # its per-example gradients are book-kept
 
 
 @dataclass(eq=False)
@@ -70,6 +74,8 @@ class Pass:
     in_hook: bool = False  # clip each group inside the backward, as soon as all its uses are seen
     bypassed: set = field(default_factory=set)  # parameters whose p.grad autograd wrote before we did
     grad_events: int = 0
+    regions: dict = field(default_factory=dict)  # id(checkpoint frame) -> capture.Region
+    record_random: bool = False  # random draws of fallback modules recorded in the forward pass (and recomputation)
     grads_before: dict | None = None  # ghost mode: p.grad before the first backward; bk: (id, version) of p.grad
     complete: bool = False  # the forward pass returned
 

@@ -132,11 +132,14 @@ def _keep(shape: tuple[int, ...], p: float, like: Tensor) -> Tensor:
 class RandomRecorder(TorchFunctionMode):
     """Records the random draws of the fallback-covered calls in progress (:attr:`frames`, innermost last)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_draw=None) -> None:
         super().__init__()
         self.frames: list[list[tuple[str, Tensor]]] = []
+        self.on_draw = on_draw  # called at every recorded draw (the engine checks activation checkpointing there)
 
     def _record(self, kind: str, value: Tensor) -> None:
+        if self.on_draw is not None:
+            self.on_draw()
         for frame in self.frames:
             frame.append((kind, value))
 

@@ -250,3 +250,17 @@ def test_parameter_used_in_the_loss_is_refused_under_checkpointing(float64):
     with pytest.raises(UnsupportedModuleError, match="ln_f.weight"):
         clipper.backward(loss)
     clipper.remove()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_path_first_taken_inside_a_checkpointed_region(float64, mode):
+    """T5's encoder mask appears only on the second batch, inside a checkpointed block: its layouts are proven again
+    in the middle of the region's forward pass (the probe's own autograd work kept out of the checkpoint)."""
+    from test_engine_paths import _batch
+
+    torch.manual_seed(0)
+    batches = [
+        _batch([6, 6, 6, 6], [3, 3, 2, 3], 6, 3, seed=0),
+        _batch([6, 6, 4, 3], [3, 2, 3, 3], 6, 3, seed=1),
+    ]
+    check_checkpointed(t5().eval(), batches, seq2seq_loss, mode=mode, enable=hf_checkpointing)

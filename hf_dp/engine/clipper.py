@@ -35,6 +35,7 @@ from .coverage import plan_coverage, trainable_parameters
 from .forward import ForwardHooks
 from .planner import Plan
 from .policy import ClippingPolicy, ParameterGroups
+from .proof import PlanProof
 from .self_check import self_check
 from .state import ModelHook, Pass, grad_stamp
 from .verify import Verification
@@ -52,7 +53,7 @@ CLIPPING_MODES: dict[str, str] = {
 }
 
 
-class BookKeepingClipper(ForwardHooks, CallCapture, BackwardBookkeeping, GroupClipping):
+class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeeping, GroupClipping):
     """Per-example gradient clipping for any ``nn.Module``, by book-keeping, in one backward pass.
 
     Args:
@@ -405,25 +406,3 @@ class BookKeepingClipper(ForwardHooks, CallCapture, BackwardBookkeeping, GroupCl
             self.per_example_norms = p.norm_sq.sum(0).sqrt() / scale
         coef = p.coef.detach()
         return coef[0] if len(self._groups) == 1 else coef
-
-    def _finish_ghost(self, p: Pass, per_example_loss: Tensor | None, scale: float) -> Tensor:
-        """GhostClip: norms from the first backward (one group), then a second backward of the reweighted loss."""
-        with torch.no_grad():
-            pieces = self._group_pieces(p, 0)
-            norms = p.norm_sq.sum(0).sqrt() / scale
-            coef = self.policy.coefficients(norms, 1)
-            self.per_example_norms = norms.detach()
-            self.per_group_norms = p.norm_sq.sqrt() / scale
-            self._check_ghost_sums(p, pieces)
-            del pieces
-        if per_example_loss is None:
-            raise ValueError("`ghost` mode needs the per-example loss again for its second backward pass.")
-        for q in self._trainable:  # drop the first backward's unclipped sums (checked above)
-            q.grad = None
-        with self._inert():
-            (per_example_loss * coef.to(per_example_loss.dtype)).sum().backward()
-        for q in self._trainable:
-            total = q.grad.detach() if q.grad is not None else None
-            q.grad = p.grads_before[q]
-            self._deliver(p, q, total)
-        return coef.detach()

@@ -9,6 +9,7 @@ whose output never received a gradient contributes nothing).
 
 For a parameter used several times the group's squared norm gets ``||sum_k G_k||^2`` (uses of the same kind merged
 exactly, :func:`~hf_dp.layers.grads.merge`, the rest through the cross terms ``2 <G_k, G_l>``; DESIGN §4.2).
+``"ghost"`` mode (one group) instead reweights the loss and runs a second backward pass.
 """
 
 from __future__ import annotations
@@ -89,3 +90,25 @@ class GroupClipping:
             p.pending[g] -= 1
             if p.pending[g] == 0 and not p.done[g]:
                 self._finalize_group(p, g)
+
+    def _finish_ghost(self, p: Pass, per_example_loss: Tensor | None, scale: float) -> Tensor:
+        """GhostClip: norms from the first backward (one group), then a second backward of the reweighted loss."""
+        with torch.no_grad():
+            pieces = self._group_pieces(p, 0)
+            norms = p.norm_sq.sum(0).sqrt() / scale
+            coef = self.policy.coefficients(norms, 1)
+            self.per_example_norms = norms.detach()
+            self.per_group_norms = p.norm_sq.sqrt() / scale
+            self._check_ghost_sums(p, pieces)
+            del pieces
+        if per_example_loss is None:
+            raise ValueError("`ghost` mode needs the per-example loss again for its second backward pass.")
+        for q in self._trainable:  # drop the first backward's unclipped sums (checked above)
+            q.grad = None
+        with self._inert():
+            (per_example_loss * coef.to(per_example_loss.dtype)).sum().backward()
+        for q in self._trainable:
+            total = q.grad.detach() if q.grad is not None else None
+            q.grad = p.grads_before[q]
+            self._deliver(p, q, total)
+        return coef.detach()

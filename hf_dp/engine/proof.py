@@ -1,0 +1,201 @@
+"""Proving a plan: on sub-batches of the first batch, and again in the middle of a forward pass when a call takes a
+path (a structure of tensors) the proven layouts do not describe.
+
+The plan is proven on examples ``[0]`` and ``[1, 0]`` of the first batch (:mod:`.probe`, :mod:`.planner`), and the
+broadcast expansions it makes are checked on a third run. A model can take another path on another batch, e.g.
+T5 builds its encoder attention mask only when some example of the batch is padded: the probed examples may have
+had no mask. Each layout keeps the shapes it was proven on (:func:`~.layouts.fits`); a call that no layout fits is
+proven again on examples ``[0]`` and ``[j, 0]`` of the batch in progress, for the first ``j`` that takes its path,
+and the new layouts join the plan (the hooked modules and what they cover must not change).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import replace
+
+from torch import Tensor, nn
+
+from ..layers import ScaledRule, UnsupportedModuleError
+from .batch import RootBatch, slice_batch
+from .checkpointing import own_saved_tensors
+from .coverage import HookedModule
+from .planner import CallLayout, Plan, build_plan, expansion_changes_output, fits, needs_third_run
+from .probe import eval_mode, frozen_rng, run_probe
+from .state import expand_output
+
+logger = logging.getLogger("hf_dp.engine.clipper")
+
+__all__ = ["PlanProof"]
+
+
+class PlanProof:
+    """Mixin of :class:`~hf_dp.engine.BookKeepingClipper`: prove, extend and merge plans."""
+
+    def _make_plan(self, args: tuple, kwargs: dict, batch: RootBatch, first: int = 0, second: int = 1) -> Plan:
+        """Prove a plan on the sub-batches ``[first]`` and ``[second, first]`` of this batch (``[first, first]`` for
+        a batch of one), with ``[second, second, first]`` when a leaf is a tensor in one run only."""
+        names, param_names = self._names()
+        params = {id(p): p for p in self._trainable}
+        devices = sorted({p.device for p in self.model.parameters()}, key=str)
+        second = second if batch.size > 1 else first
+        with self._inert(), frozen_rng(devices), own_saved_tensors():  # maybe inside a checkpointed region
+            try:
+                one = run_probe(self.model, *slice_batch(args, kwargs, batch, [first]), params)
+                pair = [second, first]
+                two = run_probe(self.model, *slice_batch(args, kwargs, batch, pair), params)
+                three = None
+                if needs_third_run(one, two):  # e.g. a mask built only when some example is padded
+                    three = run_probe(self.model, *slice_batch(args, kwargs, batch, [second, second, first]), params)
+            except UnsupportedModuleError:
+                raise
+            except Exception as err:
+                raise UnsupportedModuleError(
+                    "hf_dp proves where the examples lie in every layer by running the model on sub-batches of 1 "
+                    f"and 2 examples cut out of this batch (dimension 0 of every input of size {batch.size}), and "
+                    f"that run failed: {type(err).__name__}: {err}. Pass batch-first inputs whose examples can be "
+                    "sliced along dimension 0."
+                ) from err
+            with eval_mode(self.model):
+                plan = build_plan(
+                    self._static, one, two, names, param_names, allow_fallback=self.allow_fallback, three=three
+                )
+            self._prove_expansions(plan, args, kwargs, batch, pair, two, params)
+        return plan
+
+    def _prove_expansions(self, plan: Plan, args, kwargs, batch: RootBatch, pair: list[int], two, params) -> None:
+        by_id = {id(e): e for e in plan.hooked}
+        expanding = [(key, layout) for key, layouts in plan.calls.items() for layout in layouts if layout.expand]
+        # Expand [1, ...] outputs to `repeat` rows per example: 1, else the rows per example the model runs on
+        # (multiple choice flattens [B, choices, T] to [B * choices, T]); keep the first that leaves the model's
+        # output unchanged on the probe.
+        changed = bool(expanding)
+        for repeat in plan.repeats if expanding else ():
+            expand = {}
+            for (entry_id, ordinal), layout in expanding:
+                layout.outputs = [
+                    replace(x, repeat=repeat) if j in layout.expand else x for j, x in enumerate(layout.outputs)
+                ]
+                expand[(id(by_id[entry_id].module), ordinal)] = [(j, repeat) for j in layout.expand]
+            try:
+                expanded = run_probe(
+                    self.model,
+                    *slice_batch(args, kwargs, batch, pair),
+                    params,
+                    output_hook=functools.partial(expand_output, expand, 2),
+                )
+                changed = expansion_changes_output(two.output, expanded.output)
+            except Exception:  # noqa: BLE001  (the model cannot take the expanded tensor)
+                changed = True
+            if not changed:
+                break
+        if changed:
+            which = sorted({by_id[e].name for (e, _), lay in expanding})
+            raise UnsupportedModuleError(
+                f"The outputs of {which} are the same for every example ([1, ...], e.g. position ids built "
+                "with batch size 1); hf_dp expands them to the batch to get their per-example gradients, but "
+                "the model does not use them as a broadcast over the examples (e.g. it runs on several rows "
+                "per example). Pass such inputs (e.g. `position_ids`) with one row per row of the model's "
+                "batch, or freeze their parameters."
+            )
+
+    def _layout_for(self, entry: HookedModule, module: nn.Module, ordinal: int, in_leaves, out_leaves) -> CallLayout:
+        """The proven layout of this call; proven now, on examples of this batch, if the call takes a path (a
+        structure of tensors) that the layouts proven so far do not cover."""
+        b = self._pass.size
+        for layout in self._plan.calls.get((id(entry), ordinal), ()):
+            if fits(layout, in_leaves, out_leaves, b):
+                return layout
+        return self._reprove(entry, module, ordinal, in_leaves, out_leaves)
+
+    def _reprove(self, entry: HookedModule, module: nn.Module, ordinal: int, in_leaves, out_leaves) -> CallLayout:
+        """Prove the layouts of a call in the middle of the forward pass: on sub-batches ``[0]`` and ``[j, 0]`` of
+        the batch of this forward pass, for the first ``j`` whose run takes the path of this call. The new layouts
+        join the plan (the next call with this structure uses them); the hooked modules and what they cover must
+        be those of the plan."""
+        root = self._root_call
+        if root is None:
+            raise UnsupportedModuleError(
+                f"Call {ordinal} of module `{entry.name}` ({type(module).__name__}) runs outside the model's forward "
+                "pass with a structure hf_dp did not prove."
+            )
+        args, kwargs, batch = root
+        key = _entry_key(entry)
+        devices = sorted({p.device for p in self.model.parameters()}, key=str)
+        params = {id(p): p for p in self._trainable}
+        target = (id(module), ordinal)
+        tried = 0
+        with self._inert(), frozen_rng(devices):
+            for j in range(1, batch.size) if batch.size > 1 else [0]:
+                two = run_probe(self.model, *slice_batch(args, kwargs, batch, [j, 0]), params)
+                call = next((c for c in two.calls if (id(c.module), c.ordinal) == target), None)
+                if call is None or not _same_structure(call, in_leaves, out_leaves, entry.is_fallback):
+                    continue
+                tried += 1
+                plan = self._make_plan(args, kwargs, batch, first=0, second=j)
+                new_entry = next((e for e in plan.hooked if _entry_key(e) == key), None)
+                layouts = plan.calls.get((id(new_entry), ordinal), []) if new_entry is not None else []
+                found = next((lay for lay in layouts if fits(lay, in_leaves, out_leaves, batch.size)), None)
+                if found is None:
+                    continue
+                self._merge_plan(plan)
+                logger.info(
+                    "hf_dp: `%s` took a path not seen on the examples the plan was proven on; proved its layouts "
+                    "again on examples [0] and [%d, 0] of this batch.",
+                    entry.name,
+                    j,
+                )
+                return found
+        raise UnsupportedModuleError(
+            f"Call {ordinal} of module `{entry.name}` ({type(module).__name__}) has inputs or outputs that no layout "
+            f"proven so far describes, and no sub-batch of one or two examples of this batch takes the same path "
+            f"({tried} tried) to prove one: the model arranges the examples of this batch in a way hf_dp cannot "
+            f"prove. Freeze the parameters of `{entry.name}`, or make the model take the same path for every batch "
+            "(e.g. always pass an attention mask)."
+        )
+
+    def _merge_plan(self, new: Plan) -> None:
+        """Add the layouts of ``new`` to the current plan (same hooked modules, rules and parameters, else raise)."""
+        plan = self._plan
+        old_by_key = {_entry_key(e): e for e in plan.hooked}
+        new_by_key = {_entry_key(e): e for e in new.hooked}
+        same_shadows = set(old_by_key) == set(new_by_key) and all(
+            {id(q) for q in plan.shadowing.get(id(old_by_key[k]), ())}
+            == {id(q) for q in new.shadowing.get(id(new_by_key[k]), ())}
+            for k in old_by_key
+        )
+        if not same_shadows:
+            changed = sorted({k[1] for k in set(old_by_key) ^ set(new_by_key)}) or ["(shadowing)"]
+            raise UnsupportedModuleError(
+                f"On this batch the model uses its trainable parameters through other modules than on the batch the "
+                f"plan was proven on (changed: {changed[:3]}): data-dependent control flow that hf_dp cannot follow. "
+                "Make the model take the same path for every batch, or freeze the parameters involved."
+            )
+        new_key = {id(e): k for k, e in new_by_key.items()}
+        for (entry_id, ordinal), layouts in new.calls.items():
+            old = old_by_key[new_key[entry_id]]
+            known = plan.calls.setdefault((id(old), ordinal), [])
+            for layout in layouts:
+                if not any(k.shapes == layout.shapes and k.outputs == layout.outputs for k in known):
+                    known.append(layout)
+        plan.repeats = tuple(sorted(set(plan.repeats) | set(new.repeats)))
+
+
+def _entry_key(entry: HookedModule) -> tuple:
+    """What makes two plans' entries the same: the module, its rule (a scaled rule with its scale) and the
+    parameters it covers."""
+    rule = entry.rule
+    scale = round(rule.scale, 9) if isinstance(rule, ScaledRule) else None
+    return (id(entry.module), entry.name, type(rule).__name__, scale, frozenset(id(q) for q in entry.params))
+
+
+def _kind(x) -> tuple | None:
+    return (x.dim(), x.dtype) if isinstance(x, Tensor) else None
+
+
+def _same_structure(call, in_leaves, out_leaves, fallback: bool) -> bool:
+    """The probe's call has the same leaves as the real one (tensors where it has tensors, of the same rank)."""
+    if [_kind(x) for x in call.out_leaves] != [_kind(x) for x in out_leaves]:
+        return False
+    return not fallback or [_kind(x) for x in call.in_leaves] == [_kind(x) for x in in_leaves]

@@ -24,7 +24,7 @@ from models import (
     t5,
 )
 from oracle import assert_rel_close, oracle_clipped
-from test_engine_policies import check_policy, policy_case
+from test_engine_policies import POLICY_MODELS, check_policy, policy_case
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -51,8 +51,6 @@ def test_hf_checkpointing_matches_oracle(float64, name, mode, style):
 
 @pytest.mark.parametrize(("style", "fn"), [("param-wise", "automatic"), ("groups", "abadi")])
 def test_hf_activation_checkpointing_with_other_policies(float64, style, fn):
-    from test_engine_policies import POLICY_MODELS
-
     model, batches, loss_fn = policy_case("llama-lora")
     style = POLICY_MODELS["llama-lora"][3] if style == "groups" else style
     check_policy(

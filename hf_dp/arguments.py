@@ -269,11 +269,12 @@ class DPArgumentsMixin:
                     "accountant assumes. Use 'random', or 'group_by_length' (which only orders each Poisson batch by "
                     "length before cutting it into micro-batches)."
                 )
-        if self.activation_checkpointing:
+        checkpointing_kwargs = self.activation_checkpointing_kwargs or {}
+        if self.activation_checkpointing and checkpointing_kwargs.get("use_reentrant", False):
             raise ValueError(
-                "`activation_checkpointing=True` (`gradient_checkpointing`) is not supported by DPTrainer yet: the "
-                "recomputed forward pass is not book-kept. Set it to False and lower `per_device_train_batch_size` "
-                "(raise `gradient_accumulation_steps` to keep the logical batch)."
+                "`activation_checkpointing` with `use_reentrant=True` is not supported by DPTrainer: the reentrant "
+                "recomputation runs outside the autograd graph book-keeping follows. Leave `use_reentrant` unset or "
+                "False in `activation_checkpointing_kwargs` (non-reentrant checkpointing is exact)."
             )
         if self.torch_compile:
             raise ValueError(

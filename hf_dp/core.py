@@ -285,7 +285,7 @@ class DPTrainerMixin:
             return (loss, outputs) if return_outputs else loss
         outputs = model(**self._model_inputs(model, inputs))
         per_example = self.compute_per_example_loss(outputs, inputs)
-        self.clipper.prepare(per_example)
+        self.clipper.prepare(per_example, loss_scale=self._loss_scale())
         self._per_example_loss_seen = True
         detached = per_example.detach().double()
         self._loss_window += torch.stack([detached.sum().cpu(), torch.tensor(float(detached.numel()))])
@@ -351,8 +351,12 @@ class DPTrainerMixin:
                 )
             # The backward ran on w * sum_i loss_i: clip at w*C in its units (Li et al. 2022, App. T: K*C in fp16).
             self.clipper.finish(loss_scale=scale)
-            if scaler is not None:  # examples whose scaled gradient overflowed got weight 0: count them
-                self._dropped_examples += float((~torch.isfinite(self.clipper.per_example_norms)).sum())
+            if scaler is not None:
+                # Each example counts the share of its clipping groups whose scaled gradient overflowed (weight 0):
+                # with k of G groups kept, its contribution (k groups at C / sqrt(G), count (G - k) / G) has norm at
+                # most C, so the noised count stays one Gaussian mechanism with the gradient (hf_dp.loss_scale).
+                dropped = (~torch.isfinite(self.clipper.per_group_norms)).float().mean(0)
+                self._dropped_examples += float(dropped.sum())
         if self.accelerator.sync_gradients:
             self._ensure_grads()
             dropped = None
@@ -546,8 +550,7 @@ class DPTrainerMixin:
         kwargs = {"clipping_style": args.clipping_style, "clipping_fn": args.clipping_fn}
         if args.clipping_fn == "automatic":
             kwargs["gamma"] = args.automatic_clipping_gamma
-        # TEMP(lead): the engine accepts these keywords once its clipping policies land; defaults need none.
-        return {k: v for k, v in kwargs.items() if v not in ("all-layer", "abadi")}
+        return kwargs
 
     def _clipping_details(self) -> str | None:
         args = self.args

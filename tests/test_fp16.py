@@ -21,8 +21,15 @@ def with_cpu_fp16(trainer: DPTrainer, init_scale: float) -> DPTrainer:
 
 def one_step(model, tmp_dir, **overrides):
     args = dp_args(
-        tmp_dir, noise_multiplier=0.0, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
-        weight_decay=0.0, max_steps=1, per_sample_max_grad_norm=0.05, **overrides,
+        tmp_dir,
+        noise_multiplier=0.0,
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_steps=1,
+        per_sample_max_grad_norm=0.05,
+        **overrides,
     )
     return DPTrainer(model=model, args=args, train_dataset=ToyDataset(8), data_collator=collate)
 
@@ -52,11 +59,18 @@ def test_forced_overflow_backs_off_and_training_recovers(tmp_dir, monkeypatch):
     torch.manual_seed(0)
     model = gpt2()
     args = dp_args(
-        tmp_dir, fp16=True, noise_multiplier=0.1, max_steps=14, per_device_train_batch_size=8,
-        gradient_accumulation_steps=1, learning_rate=1e-2, per_sample_max_grad_norm=1.0,
+        tmp_dir,
+        fp16=True,
+        noise_multiplier=0.1,
+        max_steps=14,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        learning_rate=1e-2,
+        per_sample_max_grad_norm=1.0,
     )
-    trainer = with_cpu_fp16(DPTrainer(model=model, args=args, train_dataset=ToyDataset(40), data_collator=collate),
-                            init_scale=2.0**26)
+    trainer = with_cpu_fp16(
+        DPTrainer(model=model, args=args, train_dataset=ToyDataset(40), data_collator=collate), init_scale=2.0**26
+    )
     trainer.train()
     scales = [s for s, _ in counts]
     assert counts[0][1] > 1  # the first steps drop (nearly) every example, and the noised count says so

@@ -172,6 +172,68 @@ class TestLossesOfEveryTask:
         assert seen and all(names == ["end_positions", "start_positions"] for names in seen)
 
 
+def test_activation_checkpointing_is_exact(float64, tmp_dir):
+    torch.manual_seed(0)
+    model = gpt2().double()
+    dataset = ListDataset([ToyDataset(8)[i] for i in range(8)])
+
+    # (HF's own causal-LM loss casts logits to float32: compute the float64 oracle loss here instead)
+    def oracle(m, example):
+        return own_loss_batch(m, {k: v.unsqueeze(0) for k, v in example.items()})[0]
+
+    trainer = check_exact_update(model, dataset, oracle, tmp_dir, gradient_checkpointing=True)
+    assert trainer.args.activation_checkpointing
+
+
+@pytest.mark.parametrize(
+    "style,fn", [("layer-wise", "abadi"), ("transformer.h.*;transformer.w*,transformer.ln_f.*", "automatic")]
+)
+def test_clipping_policies_reach_the_engine(float64, tmp_dir, style, fn):
+    """sigma = 0, q = 1, SGD lr = 1: the DPTrainer update is -(1/N) x the engine's clipped sum under that policy."""
+    from hf_dp import BookKeepingClipper
+
+    torch.manual_seed(0)
+    model = gpt2().double()
+    reference = copy.deepcopy(model)
+    batch = collate([ToyDataset(8)[i] for i in range(8)])
+    clipper = BookKeepingClipper(
+        reference,
+        max_grad_norm=0.05,
+        clipping_style=[g.split(",") for g in style.split(";")] if ";" in style else style,
+        clipping_fn=fn,
+        gamma=0.02,
+    )
+    clipper.backward(own_loss_batch(reference, batch))
+    expected = {n: p.grad / 8 for n, p in reference.named_parameters()}
+    clipper.remove()
+    args = dp_args(
+        tmp_dir,
+        noise_multiplier=0.0,
+        per_sample_max_grad_norm=0.05,
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_steps=1,
+        clipping_style=style,
+        clipping_fn=fn,
+        automatic_clipping_gamma=0.02,
+    )
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    DPTrainer(model=model, args=args, train_dataset=ToyDataset(8), data_collator=collate).train()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach() - before[n], -expected[n], rtol=1e-6, atol=1e-10, msg=n)
+
+
+def own_loss_batch(model, batch):
+    """Per-example causal LM loss (mean over each example's own tokens), independent of hf_dp.losses."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    ce = torch.nn.functional.cross_entropy(
+        logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:], ignore_index=-100, reduction="none"
+    )
+    return ce.sum(1) / (batch["labels"][:, 1:] != -100).sum(1)
+
+
 def test_overriding_compute_loss_with_a_batch_mean_is_refused(tmp_dir):
     class MeanLoss(DPTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

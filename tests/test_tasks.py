@@ -7,20 +7,16 @@ import math
 
 import pytest
 import torch
-from models import VOCAB, gpt2
+from models import VOCAB, bart, gpt2, t5
 from test_resume import IndexedDataset, RecordingCollate
-from test_trainer import ToyDataset, collate, dp_args
+from test_trainer import ToyDataset, check_exact_update, collate, dp_args, one_example_loss
 from transformers import (
-    BartConfig,
-    BartForConditionalGeneration,
     BertConfig,
     BertForMultipleChoice,
     BertForQuestionAnswering,
     BertForSequenceClassification,
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
-    T5Config,
-    T5ForConditionalGeneration,
     Trainer,
     TrainingArguments,
 )
@@ -100,40 +96,6 @@ def own_loss(model, example, smoothing=0.0):
     return model(**batch).loss
 
 
-def check_exact_update(model, dataset, oracle_loss, tmp_dir, **overrides):
-    """sigma = 0, q = 1, SGD lr = 1, one step: the update is exactly -(1/N) sum_i clip(g_i)."""
-    n = len(dataset)
-    reference = copy.deepcopy(model)
-    params = [p for p in reference.parameters() if p.requires_grad]
-    grads = [torch.autograd.grad(oracle_loss(reference, dataset[i]), params, allow_unused=True) for i in range(n)]
-    grads = [[torch.zeros_like(p) if g is None else g for g, p in zip(gi, params, strict=True)] for gi in grads]
-    norms = torch.stack([torch.sqrt(sum((g**2).sum() for g in gi)) for gi in grads])
-    clip = float(norms.median())
-    assert (norms > clip).any() and (norms < clip).any()
-    coef = (clip / (norms + 1e-6)).clamp(max=1.0)
-    expected = [sum(coef[i] * grads[i][k] for i in range(n)) / n for k in range(len(params))]
-    args = dp_args(
-        tmp_dir,
-        noise_multiplier=0.0,
-        per_sample_max_grad_norm=clip,
-        optim="sgd",
-        learning_rate=1.0,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_steps=1,
-        per_device_train_batch_size=n // 2,
-        gradient_accumulation_steps=2,
-        **overrides,
-    )
-    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-    trainer = DPTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate)
-    trainer.train()
-    after = [p.detach() for p in model.parameters() if p.requires_grad]
-    for b, a, e in zip(before, after, expected, strict=True):
-        torch.testing.assert_close(a - b, -e, rtol=1e-6, atol=1e-10)
-    return trainer
-
-
 class TestLossesOfEveryTask:
     def test_question_answering_exact(self, float64, tmp_dir):
         torch.manual_seed(0)
@@ -177,11 +139,8 @@ def test_activation_checkpointing_is_exact(float64, tmp_dir):
     model = gpt2().double()
     dataset = ListDataset([ToyDataset(8)[i] for i in range(8)])
 
-    # (HF's own causal-LM loss casts logits to float32: compute the float64 oracle loss here instead)
-    def oracle(m, example):
-        return own_loss_batch(m, {k: v.unsqueeze(0) for k, v in example.items()})[0]
-
-    trainer = check_exact_update(model, dataset, oracle, tmp_dir, gradient_checkpointing=True)
+    # (HF's own causal-LM loss casts logits to float32: the float64 oracle loss is computed in the test instead)
+    trainer = check_exact_update(model, dataset, one_example_loss, tmp_dir, gradient_checkpointing=True)
     assert trainer.args.activation_checkpointing
 
 
@@ -351,50 +310,6 @@ def test_the_model_is_a_plain_model_after_train(tmp_dir):
     assert all(p.grad is not None for p in model.parameters())
 
 
-def tiny_t5():
-    cfg = T5Config(
-        vocab_size=VOCAB,
-        d_model=16,
-        d_kv=8,
-        d_ff=24,
-        num_layers=1,
-        num_decoder_layers=1,
-        num_heads=2,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=16,
-        dropout_rate=0.0,
-        pad_token_id=0,
-        eos_token_id=1,
-        decoder_start_token_id=0,
-    )
-    return T5ForConditionalGeneration(cfg)
-
-
-def tiny_bart():
-    cfg = BartConfig(
-        vocab_size=VOCAB,
-        d_model=16,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=24,
-        decoder_ffn_dim=24,
-        max_position_embeddings=32,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=1,
-        decoder_start_token_id=2,
-        forced_eos_token_id=None,
-        tie_word_embeddings=True,
-        scale_embedding=True,
-    )
-    return BartForConditionalGeneration(cfg)
-
-
 def seq2seq_dataset(n, seed=0):
     g = torch.Generator().manual_seed(seed)
     items = []
@@ -418,7 +333,7 @@ def seq2seq_collate(features):
     return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": pad("labels", -100)}
 
 
-@pytest.mark.parametrize("factory", [tiny_t5, tiny_bart], ids=["t5", "bart"])
+@pytest.mark.parametrize("factory", [t5, bart], ids=["t5", "bart"])
 def test_seq2seq_training_and_generation(tmp_dir, factory):
     torch.manual_seed(0)
     model = factory()

@@ -86,21 +86,53 @@ def dp_args(tmp_dir, **overrides):
     return DPTrainingArguments(**base)
 
 
-def per_example_oracle(model, dataset, loss_kind, reduction="mean"):
-    """[N] lists of per-example gradients by a loop of autograd calls (float64), independent of hf_dp."""
-    batch = pad_collate([dataset[i] for i in range(len(dataset))])
-    params = [p for p in model.parameters() if p.requires_grad]
-    if loss_kind == "causal":
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        ce = torch.nn.functional.cross_entropy(
-            logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:], ignore_index=-100, reduction="none"
-        )
-        counts = (batch["labels"][:, 1:] != -100).sum(1)
-        loss = ce.sum(1) / counts if reduction == "mean" else ce.sum(1)
-    else:
+def one_example_loss(model, example, reduction="mean"):
+    """The per-example loss of one example, computed here in the parameters' dtype (independent of hf_dp.losses)."""
+    batch = {k: v.unsqueeze(0) for k, v in example.items()}
+    if batch["labels"].dim() == 1:  # classification
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
-        loss = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
-    return params, [torch.autograd.grad(loss[i], params, retain_graph=True) for i in range(len(dataset))]
+        return torch.nn.functional.cross_entropy(logits, batch["labels"])
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels, ignore_index=-100, reduction="sum")
+    return ce / (labels != -100).sum() if reduction == "mean" else ce
+
+
+def check_exact_update(model, dataset, oracle_loss, tmp_dir, data_collator=None, **overrides):
+    """sigma = 0, q = 1, SGD lr = 1, one step: the update is exactly -(1/N) sum_i clip(g_i), with ``g_i`` the
+    autograd gradient of ``oracle_loss(model, example_i)`` on an untouched copy (C: the median norm, so that some
+    examples are clipped and some not)."""
+    n = len(dataset)
+    reference = copy.deepcopy(model)
+    params = [p for p in reference.parameters() if p.requires_grad]
+    grads = [torch.autograd.grad(oracle_loss(reference, dataset[i]), params, allow_unused=True) for i in range(n)]
+    grads = [[torch.zeros_like(p) if g is None else g for g, p in zip(gi, params, strict=True)] for gi in grads]
+    norms = torch.stack([torch.sqrt(sum((g**2).sum() for g in gi)) for gi in grads])
+    clip = float(norms.median())
+    assert (norms > clip).any() and (norms < clip).any()
+    coef = (clip / (norms + 1e-6)).clamp(max=1.0)
+    expected = [sum(coef[i] * grads[i][k] for i in range(n)) / n for k in range(len(params))]
+    args = dp_args(
+        tmp_dir,
+        noise_multiplier=0.0,
+        per_sample_max_grad_norm=clip,
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_steps=1,
+        per_device_train_batch_size=n // 2,
+        gradient_accumulation_steps=2,
+        **overrides,
+    )
+    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    trainer = DPTrainer(model=model, args=args, train_dataset=dataset, data_collator=data_collator or collate)
+    assert trainer.sample_rate == 1.0
+    trainer.train()
+    after = [p.detach() for p in model.parameters() if p.requires_grad]
+    for b, a, e in zip(before, after, expected, strict=True):
+        torch.testing.assert_close(a - b, -e, rtol=1e-6, atol=1e-10)
+    return trainer
 
 
 class TestExactUpdate:
@@ -123,34 +155,9 @@ class TestExactUpdate:
             padded_tokens.append(batch["input_ids"].numel())
             return batch
 
-        reference = copy.deepcopy(model)
-        params, grads = per_example_oracle(reference, dataset, "class" if classification else "causal")
-        norms = torch.stack([torch.sqrt(sum((g**2).sum() for g in gi)) for gi in grads])
-        clip = float(norms.median())
-        assert (norms > clip).any() and (norms < clip).any()
-        coef = (clip / (norms + 1e-6)).clamp(max=1.0)
-        expected = [sum(coef[i] * grads[i][k] for i in range(n)) / n for k in range(len(params))]
-
-        args = dp_args(
-            tmp_dir,
-            noise_multiplier=0.0,
-            per_sample_max_grad_norm=clip,
-            optim="sgd",
-            learning_rate=1.0,
-            lr_scheduler_type="constant",
-            weight_decay=0.0,
-            max_steps=1,
-            per_device_train_batch_size=4,
-            gradient_accumulation_steps=2,
-            train_sampling_strategy=strategy,
+        trainer = check_exact_update(
+            model, dataset, one_example_loss, tmp_dir, data_collator=counting_collate, train_sampling_strategy=strategy
         )
-        before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-        trainer = DPTrainer(model=model, args=args, train_dataset=dataset, data_collator=counting_collate)
-        assert trainer.sample_rate == 1.0
-        trainer.train()
-        after = [p.detach() for p in model.parameters() if p.requires_grad]
-        for b, a, e in zip(before, after, expected, strict=True):
-            torch.testing.assert_close(a - b, -e, rtol=1e-6, atol=1e-10)
         assert trainer.dp_callback.steps == 1
         if strategy == "group_by_length":  # the longest half first: exactly the least padding for two micro-batches
             lengths = sorted((len(dataset[i]["input_ids"]) for i in range(n)), reverse=True)

@@ -227,6 +227,7 @@ def _recurrent() -> dict[str, Case]:
             build=lambda: Probe(DPLSTM(5, 6, batch_first=True)),
             batches=_packed([[4, 2, 3], [1, 4]], 5),
             loss_fn=probe_loss(),
+            refusable="PackedSequence inputs: refused at the first batch (pad the sequences instead)",
         ),
         "torch-lstm": layer_case(
             lambda: nn.LSTM(5, 6, batch_first=True), floats((3, 4, 5), (2, 4, 5)), refusable=NOT_REQUIRED

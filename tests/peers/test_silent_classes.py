@@ -218,7 +218,10 @@ CONFIGS: dict[str, Case] = {
     "fallback-module-as-root": Case(build=RawRoot, batches=floats((4, 3, D), (3, 3, D)), loss_fn=probe_loss()),
     # uses outside the one root forward the engine book-keeps
     "submodule-called-after-root-forward": Case(
-        build=HeadOutside, batches=floats((4, 3, D), (3, 3, D)), loss_fn=_head_outside_loss
+        build=HeadOutside,
+        batches=floats((4, 3, D), (3, 3, D)),
+        loss_fn=_head_outside_loss,
+        refusable="a parameter used after the root forward (in the loss): refused; call the head inside the model",
     ),
     "two-root-forwards-per-step": Case(
         build=lambda: nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D)),

@@ -106,8 +106,10 @@ class DPTrainerMixin:
         self._dp_step_active = False
         self._per_example_loss_seen = False
         self._needs_self_check = False
-        self._loss_window = torch.zeros(2, dtype=torch.float64)  # [sum of per-example losses, examples] since last log
-        self._loss_total = torch.zeros(2, dtype=torch.float64)  # the same over this train() call
+        # [sum of per-example losses, examples] since the last log, and over this train() call; on the device, so that
+        # accumulating them never waits for the device (read at logging steps only).
+        self._loss_window = torch.zeros(2, device=self.args.device)
+        self._loss_total = torch.zeros(2, device=self.args.device)
         release_state(self.state, args.publish_training_metrics)
         if train_dataset is not None:  # bad settings fail now, not after the model is loaded on every GPU
             self._dp_plan = self._resolve_plan()
@@ -287,8 +289,9 @@ class DPTrainerMixin:
         per_example = self.compute_per_example_loss(outputs, inputs)
         self.clipper.prepare(per_example, loss_scale=self._loss_scale())
         self._per_example_loss_seen = True
-        detached = per_example.detach().double()
-        self._loss_window += torch.stack([detached.sum().cpu(), torch.tensor(float(detached.numel()))])
+        detached = per_example.detach().float()
+        self._loss_window[0] += detached.sum().to(self._loss_window.device)
+        self._loss_window[1] += detached.numel()
         loss = per_example.sum() / self.dp_plan.expected_batch_size
         return (loss, outputs) if return_outputs else loss
 
@@ -471,11 +474,10 @@ class DPTrainerMixin:
         super().log(logs, start_time)
 
     def _reduce_loss(self, window: torch.Tensor) -> torch.Tensor:
+        reduced = window.clone()
         if self.accelerator.num_processes > 1:
-            reduced = window.to(self.args.device)
             torch.distributed.all_reduce(reduced)
-            return reduced.cpu()
-        return window.clone()
+        return reduced.cpu()
 
     def _restore_dp_state(self, checkpoint: str) -> int:
         """Load the privacy spent from ``checkpoint``; returns its global step."""

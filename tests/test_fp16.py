@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 from models import gpt2
-from test_trainer import ToyDataset, collate, dp_args
+from test_trainer import ToyDataset, collate, dp_args, sgd_step_args
 
 from hf_dp import DPTrainer
 from hf_dp.loss_scale import NoisedOverflowScalePolicy
@@ -20,17 +20,7 @@ def with_cpu_fp16(trainer: DPTrainer, init_scale: float) -> DPTrainer:
 
 
 def one_step(model, tmp_dir, **overrides):
-    args = dp_args(
-        tmp_dir,
-        noise_multiplier=0.0,
-        optim="sgd",
-        learning_rate=1.0,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_steps=1,
-        per_sample_max_grad_norm=0.05,
-        **overrides,
-    )
+    args = sgd_step_args(tmp_dir, per_sample_max_grad_norm=0.05, **overrides)
     return DPTrainer(model=model, args=args, train_dataset=ToyDataset(8), data_collator=collate)
 
 

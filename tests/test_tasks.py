@@ -9,7 +9,15 @@ import pytest
 import torch
 from models import VOCAB, bart, gpt2, t5
 from test_resume import IndexedDataset, RecordingCollate
-from test_trainer import ToyDataset, check_exact_update, collate, dp_args, one_example_loss
+from test_trainer import (
+    ToyDataset,
+    causal_per_example_loss,
+    check_exact_update,
+    collate,
+    dp_args,
+    one_example_loss,
+    sgd_step_args,
+)
 from transformers import (
     BertConfig,
     BertForMultipleChoice,
@@ -151,46 +159,23 @@ def test_clipping_policies_reach_the_engine(float64, tmp_dir, style, fn):
     """sigma = 0, q = 1, SGD lr = 1: the DPTrainer update is -(1/N) x the engine's clipped sum under that policy."""
     from hf_dp import BookKeepingClipper
 
+    args = sgd_step_args(
+        tmp_dir, per_sample_max_grad_norm=0.05, clipping_style=style, clipping_fn=fn, automatic_clipping_gamma=0.02
+    )
     torch.manual_seed(0)
     model = gpt2().double()
     reference = copy.deepcopy(model)
     batch = collate([ToyDataset(8)[i] for i in range(8)])
     clipper = BookKeepingClipper(
-        reference,
-        max_grad_norm=0.05,
-        clipping_style=[g.split(",") for g in style.split(";")] if ";" in style else style,
-        clipping_fn=fn,
-        gamma=0.02,
+        reference, max_grad_norm=0.05, clipping_style=args.clipping_style, clipping_fn=fn, gamma=0.02
     )
-    clipper.backward(own_loss_batch(reference, batch))
+    clipper.backward(causal_per_example_loss(reference, batch))
     expected = {n: p.grad / 8 for n, p in reference.named_parameters()}
     clipper.remove()
-    args = dp_args(
-        tmp_dir,
-        noise_multiplier=0.0,
-        per_sample_max_grad_norm=0.05,
-        optim="sgd",
-        learning_rate=1.0,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_steps=1,
-        clipping_style=style,
-        clipping_fn=fn,
-        automatic_clipping_gamma=0.02,
-    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     DPTrainer(model=model, args=args, train_dataset=ToyDataset(8), data_collator=collate).train()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach() - before[n], -expected[n], rtol=1e-6, atol=1e-10, msg=n)
-
-
-def own_loss_batch(model, batch):
-    """Per-example causal LM loss (mean over each example's own tokens), independent of hf_dp.losses."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    ce = torch.nn.functional.cross_entropy(
-        logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:], ignore_index=-100, reduction="none"
-    )
-    return ce.sum(1) / (batch["labels"][:, 1:] != -100).sum(1)
 
 
 def test_overriding_compute_loss_with_a_batch_mean_is_refused(tmp_dir):

@@ -86,16 +86,35 @@ def dp_args(tmp_dir, **overrides):
     return DPTrainingArguments(**base)
 
 
-def one_example_loss(model, example, reduction="mean"):
-    """The per-example loss of one example, computed here in the parameters' dtype (independent of hf_dp.losses)."""
+def causal_per_example_loss(model, batch):
+    """``[B]`` causal-LM losses (mean over each example's own tokens), in the parameters' dtype, independent of
+    hf_dp.losses (HF's own loss casts logits to float32)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels, ignore_index=-100, reduction="none")
+    return ce.sum(1) / (labels != -100).sum(1)
+
+
+def one_example_loss(model, example):
+    """The loss of one example (a batch of one): classification cross-entropy or the causal-LM loss."""
     batch = {k: v.unsqueeze(0) for k, v in example.items()}
     if batch["labels"].dim() == 1:  # classification
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
         return torch.nn.functional.cross_entropy(logits, batch["labels"])
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    labels = batch["labels"][:, 1:]
-    ce = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels, ignore_index=-100, reduction="sum")
-    return ce / (labels != -100).sum() if reduction == "mean" else ce
+    return causal_per_example_loss(model, batch)[0]
+
+
+def sgd_step_args(tmp_dir, **overrides):
+    """One plain SGD step (lr 1, constant, no weight decay, no noise): the update is minus the clipped mean."""
+    base = dict(
+        noise_multiplier=0.0,
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_steps=1,
+    )
+    return dp_args(tmp_dir, **{**base, **overrides})
 
 
 def check_exact_update(model, dataset, oracle_loss, tmp_dir, data_collator=None, **overrides):
@@ -112,15 +131,9 @@ def check_exact_update(model, dataset, oracle_loss, tmp_dir, data_collator=None,
     assert (norms > clip).any() and (norms < clip).any()
     coef = (clip / (norms + 1e-6)).clamp(max=1.0)
     expected = [sum(coef[i] * grads[i][k] for i in range(n)) / n for k in range(len(params))]
-    args = dp_args(
+    args = sgd_step_args(
         tmp_dir,
-        noise_multiplier=0.0,
         per_sample_max_grad_norm=clip,
-        optim="sgd",
-        learning_rate=1.0,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_steps=1,
         per_device_train_batch_size=n // 2,
         gradient_accumulation_steps=2,
         **overrides,
@@ -170,24 +183,16 @@ class TestExactUpdate:
         dataset = ToyDataset(8)
         sigma, clip, n = 3.0, 0.5, 8
         clean_model = copy.deepcopy(model)
-        common = dict(
-            optim="sgd",
-            learning_rate=1.0,
-            lr_scheduler_type="constant",
-            weight_decay=0.0,
-            max_steps=1,
-            per_sample_max_grad_norm=clip,
-        )
         DPTrainer(
             model=clean_model,
-            args=dp_args(tmp_dir, noise_multiplier=0.0, **common),
+            args=sgd_step_args(tmp_dir, per_sample_max_grad_norm=clip),
             train_dataset=dataset,
             data_collator=collate,
         ).train()
         before = [p.detach().clone() for p in model.parameters()]
         DPTrainer(
             model=model,
-            args=dp_args(tmp_dir, noise_multiplier=sigma, **common),
+            args=sgd_step_args(tmp_dir, per_sample_max_grad_norm=clip, noise_multiplier=sigma),
             train_dataset=dataset,
             data_collator=collate,
         ).train()

@@ -8,8 +8,9 @@ from transformers import TrainingArguments
 
 from .arguments import DPArgumentsMixin, DPTrainingArguments
 from .engine import plan_coverage
+from .fsdp import is_fsdp2
 
-__all__ = ["check_before_init", "check_train_dataset", "dp_arguments"]
+__all__ = ["check_before_init", "check_fsdp", "check_train_dataset", "dp_arguments"]
 
 
 def dp_arguments(args: TrainingArguments | None, expected: type = DPTrainingArguments) -> DPArgumentsMixin:
@@ -61,10 +62,50 @@ def check_before_init(model, args: DPArgumentsMixin, train_dataset, model_init) 
             f"DPTrainer does not support torch.nn.DataParallel ({args.n_gpu} GPUs visible to one process): the "
             "replicas would not run the book-keeping hooks. Set CUDA_VISIBLE_DEVICES to one GPU."
         )
-    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+    if getattr(args, "deepspeed", None):
         raise ValueError(
-            "DPTrainer does not support DeepSpeed or FSDP yet: they shard and reduce gradients inside autograd, "
-            "which book-keeping bypasses, so training would be wrong. Use plain data parallelism "
-            "(`accelerate launch --multi_gpu` or `torchrun`) without a DeepSpeed/FSDP config."
+            "DPTrainer does not support DeepSpeed: ZeRO reduces and partitions gradients inside autograd hooks, which "
+            "book-keeping bypasses, so training would be wrong. Shard with FSDP2 instead (`fsdp=True`, "
+            '`fsdp_config={"version": 2, ...}`), or use plain data parallelism.'
+        )
+    if getattr(args, "fsdp", None):
+        check_fsdp(args)
+    if is_fsdp2(model):
+        raise ValueError(
+            "The model was passed to DPTrainer already sharded by `fully_shard`. Pass the plain model and let the "
+            'Trainer shard it (`fsdp=True`, `fsdp_config={"version": 2, ...}`).'
         )
     plan_coverage(model)  # BatchNorm, uncovered trainable parameters: fail now, not at the first step
+
+
+def check_fsdp(args: DPArgumentsMixin) -> None:
+    """FSDP settings DPTrainer can train with (FSDP2, gradients on the device, fp32 or bf16); ValueError otherwise."""
+    config = dict(args.fsdp_config or {})
+    version = int(config.get("version", 2))
+    if version != 2:
+        raise ValueError(
+            f"DPTrainer supports FSDP2 only (got `fsdp_config['version'] = {version}`): FSDP1 flattens parameters "
+            "and reduces their gradients inside autograd. Set `fsdp_config['version'] = 2`."
+        )
+    if str(config.get("cpu_offload", False)).lower() == "true":
+        raise ValueError(
+            "DPTrainer does not support FSDP CPU offloading (`cpu_offload`/`offload`): the clipped sums are "
+            "reduce-scattered into gradients on the device. Turn it off."
+        )
+    if str(config.get("activation_checkpointing", False)).lower() == "true":
+        raise ValueError(
+            "DPTrainer does not support FSDP's own activation checkpointing (`fsdp_config['activation_checkpointing']`"
+            ") yet. Turn it off."
+        )
+    if getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False):
+        raise ValueError("DPTrainer does not support activation checkpointing together with FSDP2 yet. Turn one off.")
+    if args.fp16:
+        raise ValueError(
+            "DPTrainer does not support fp16 with FSDP2 (its loss-scale policy needs the whole gradient on each "
+            "process). Use `bf16=True`, or fp16 without FSDP."
+        )
+    if args.clipping_mode == "ghost":
+        raise ValueError(
+            "`clipping_mode='ghost'` runs a second backward pass per micro-batch, which FSDP2 cannot follow. Use "
+            "`bk-mixopt` (the default), `bk` or `per-sample` with FSDP2."
+        )

@@ -5,21 +5,29 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EMPTY_BATCH_KEY", "EmptyBatchSafeCollator", "is_empty_batch"]
+__all__ = ["EMPTY_BATCH_KEY", "PLACEHOLDER_KEY", "EmptyBatchSafeCollator", "is_empty_batch"]
 
 #: Key of the placeholder a :class:`EmptyBatchSafeCollator` returns for an empty micro-batch.
 EMPTY_BATCH_KEY = "hf_dp_empty_batch"
+#: Key, in that placeholder, of a collated batch of one example to run with loss weight 0 (FSDP2 ranks must all run
+#: every micro-batch through the model, whose collectives they share).
+PLACEHOLDER_KEY = "hf_dp_placeholder"
 
 
 class EmptyBatchSafeCollator:
-    """Calls ``collator(features)``, or returns ``{EMPTY_BATCH_KEY: True}`` when ``features`` is empty."""
+    """Calls ``collator(features)``, or returns ``{EMPTY_BATCH_KEY: True}`` when ``features`` is empty (with
+    ``{PLACEHOLDER_KEY: collator(placeholder())}`` if ``placeholder`` is given)."""
 
-    def __init__(self, collator: Callable[[list], Any]) -> None:
+    def __init__(self, collator: Callable[[list], Any], placeholder: Callable[[], list] | None = None) -> None:
         self.collator = collator
+        self.placeholder = placeholder
 
     def __call__(self, features: list) -> Any:
         if len(features) == 0:
-            return {EMPTY_BATCH_KEY: True}
+            empty: dict[str, Any] = {EMPTY_BATCH_KEY: True}
+            if self.placeholder is not None:
+                empty[PLACEHOLDER_KEY] = self.collator(self.placeholder())
+            return empty
         return self.collator(features)
 
 

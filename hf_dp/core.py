@@ -30,10 +30,11 @@ from transformers.utils import is_datasets_available
 from .arguments import DPArgumentsMixin, DPTrainingArguments
 from .callback import DPCallback
 from .checks import check_before_init, check_train_dataset, dp_arguments
-from .collators import EmptyBatchSafeCollator, is_empty_batch
-from .distributed import all_reduce_sum_, broadcast_from_main
+from .collators import PLACEHOLDER_KEY, EmptyBatchSafeCollator, is_empty_batch
+from .distributed import all_reduce_sum_, any_process, broadcast_from_main
 from .engine import BookKeepingClipper
 from .epsilon_plot import plot_epsilon_curve
+from .fsdp import FSDP2Clipping, local_tensor
 from .loss_scale import NoisedOverflowScalePolicy
 from .losses import LABEL_NAMES, infer_loss_type, per_example_loss
 from .model_card import DP_TAGS, DPModelCardData, render_dp_section, write_dp_model_card
@@ -106,6 +107,9 @@ class DPTrainerMixin:
         self._dp_step_active = False
         self._per_example_loss_seen = False
         self._needs_self_check = False
+        self._in_train = False
+        self._sharded: FSDP2Clipping | None = None  # FSDP2: set at the first step, on the sharded model
+        self._loss_weight = 1.0  # 0 for the placeholder an FSDP2 rank runs for its empty micro-batch
         # [sum of per-example losses, examples] since the last log, and over this train() call; on the device, so that
         # accumulating them never waits for the device (read at logging steps only).
         self._loss_window = torch.zeros(2, device=self.args.device)
@@ -192,7 +196,11 @@ class DPTrainerMixin:
         )
         params: dict[str, Any] = {
             "batch_sampler": sampler,
-            "collate_fn": EmptyBatchSafeCollator(collator),
+            # FSDP2: every rank runs every micro-batch (their collectives are shared), so an empty one runs the first
+            # example with loss weight 0 (it adds exactly nothing).
+            "collate_fn": EmptyBatchSafeCollator(
+                collator, placeholder=partial(_first_example, dataset) if self.is_fsdp_enabled else None
+            ),
             "num_workers": self.args.dataloader_num_workers,
             "pin_memory": self.args.dataloader_pin_memory,
             "persistent_workers": self.args.dataloader_persistent_workers,
@@ -287,11 +295,14 @@ class DPTrainerMixin:
             return (loss, outputs) if return_outputs else loss
         outputs = model(**self._model_inputs(model, inputs))
         per_example = self.compute_per_example_loss(outputs, inputs)
+        if self._loss_weight != 1.0:
+            per_example = per_example * self._loss_weight
         self.clipper.prepare(per_example, loss_scale=self._loss_scale())
         self._per_example_loss_seen = True
-        detached = per_example.detach().float()
-        self._loss_window[0] += detached.sum().to(self._loss_window.device)
-        self._loss_window[1] += detached.numel()
+        if self._loss_weight != 0.0:
+            detached = per_example.detach().float()
+            self._loss_window[0] += detached.sum().to(self._loss_window.device)
+            self._loss_window[1] += detached.numel()
         loss = per_example.sum() / self.dp_plan.expected_batch_size
         return (loss, outputs) if return_outputs else loss
 
@@ -316,8 +327,30 @@ class DPTrainerMixin:
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         """Clipped per-example gradients into ``p.grad``; at the last micro-batch, the noise and the accountant."""
-        if self.clipper is None:
+        if not self._in_train:
             raise RuntimeError("DPTrainer.training_step runs inside `train()` only (the clipper is installed there).")
+        if not self.is_fsdp_enabled:
+            return self._dp_step(model, inputs, num_items_in_batch)
+        # FSDP2 (hf_dp.fsdp): the clipper is built on the sharded model; a micro-batch in which any process may run
+        # passes of the engine's own runs with the whole model on every process, so that they start no collective.
+        if self._sharded is None:
+            self._sharded = FSDP2Clipping(model)
+        self._sharded.start()
+        planning = self.clipper is None or self.clipper.needs_planning or self._needs_self_check
+        if not any_process(planning, device=self.args.device):
+            return self._dp_step(model, inputs, num_items_in_batch)
+        with self._sharded.collective_free():
+            if self.clipper is None:
+                self.clipper = self._build_clipper(
+                    model, grad_sink=self._sharded.sink, registered_parameters=self._sharded.registered_parameters()
+                )
+            self.clipper.allow_own_passes = True
+            try:
+                return self._dp_step(model, inputs, num_items_in_batch)
+            finally:
+                self.clipper.allow_own_passes = False
+
+    def _dp_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         scaler = self._enabled_scaler()
         if scaler is not None:
             if self._scale_policy is None:
@@ -330,10 +363,13 @@ class DPTrainerMixin:
             if float(scaler.get_scale()) != self._scale_policy.scale:
                 scaler.update(new_scale=self._scale_policy.scale)
         scale = self._loss_scale()
+        placeholder = inputs.get(PLACEHOLDER_KEY) if is_empty_batch(inputs) else None
+        if placeholder is not None:  # FSDP2: run the placeholder example with loss weight 0 (it adds nothing)
+            inputs, self._loss_weight = placeholder, 0.0
         if is_empty_batch(inputs):  # a Poisson batch can be empty: no gradient, but the step still counts
             loss = torch.zeros((), device=self.args.device)
         else:
-            if self._needs_self_check:
+            if self._needs_self_check and placeholder is None:
                 self._self_check(inputs)
                 self._needs_self_check = False
             self._dp_step_active, self._per_example_loss_seen = True, False
@@ -344,7 +380,7 @@ class DPTrainerMixin:
                 with no_sync:
                     loss = super().training_step(model, inputs, num_items_in_batch)
             finally:
-                self._dp_step_active = False
+                self._dp_step_active, self._loss_weight = False, 1.0
             if not self._per_example_loss_seen:
                 raise ValueError(
                     f"{type(self).__name__}.compute_loss was overridden and returned a loss that did not go through "
@@ -354,6 +390,8 @@ class DPTrainerMixin:
                 )
             # The backward ran on w * sum_i loss_i: clip at w*C in its units (Li et al. 2022, App. T: K*C in fp16).
             self.clipper.finish(loss_scale=scale)
+            if self._sharded is not None:  # reduce-scatter the clipped sums into the sharded gradients
+                self._sharded.flush()
             if scaler is not None:
                 # Each example counts the share of its clipping groups whose scaled gradient overflowed (weight 0):
                 # with k of G groups kept, its contribution (k groups at C / sqrt(G), count (G - k) / G) has norm at
@@ -366,12 +404,16 @@ class DPTrainerMixin:
             if scaler is not None:
                 dropped = torch.tensor([self._dropped_examples], dtype=torch.float32, device=self.args.device)
                 self._dropped_examples = 0.0
-            if self.accelerator.is_main_process:
+            if self._sharded is not None:
+                # FSDP2: each process holds its shard of the global sum; it adds N(0, sigma^2 C^2) to it from its own
+                # stream, so that every coordinate is noised exactly once.
+                self._add_noise(scale, None)
+            elif self.accelerator.is_main_process:
                 # Noise once per logical step: the main process adds N(0, sigma^2 C^2) to its share of the sum (and
                 # N(0, sigma^2) to the count of dropped examples) before the all-reduce, so the global sums carry it
                 # exactly once.
                 self._add_noise(scale, dropped)
-            if self.accelerator.num_processes > 1:
+            if self.accelerator.num_processes > 1 and self._sharded is None:
                 all_reduce_sum_(
                     [p.grad for p in self._trainable_parameters()] + ([dropped] if dropped is not None else [])
                 )
@@ -407,7 +449,8 @@ class DPTrainerMixin:
             return
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for p in self._trainable_parameters():
-            by_device.setdefault(p.grad.device, []).append(p.grad)
+            grad = local_tensor(p.grad)  # FSDP2: this process's shard
+            by_device.setdefault(grad.device, []).append(grad)
         if dropped is not None:
             by_device.setdefault(dropped.device, []).append(dropped)
         for device, targets in by_device.items():
@@ -523,12 +566,10 @@ class DPTrainerMixin:
         self._configure_dp_callback()
         self._start_secret_streams()
         self._log_plan()
-        self.clipper = BookKeepingClipper(
-            self.model,
-            max_grad_norm=self.args.per_sample_max_grad_norm,
-            mode=self.args.clipping_mode,
-            **self._clipping_policy_kwargs(),
-        )
+        # FSDP2 shards the model inside Trainer.train: its clipper is built at the first step (training_step)
+        self.clipper = None if self.is_fsdp_enabled else self._build_clipper(self.model)
+        self._sharded = None
+        self._in_train = True
         self._needs_self_check = self.args.dp_self_check
         self._scale_policy: NoisedOverflowScalePolicy | None = None
         self._dropped_examples = 0.0
@@ -542,10 +583,20 @@ class DPTrainerMixin:
                 **kwargs,
             )
         finally:
-            self.clipper.remove()
-            self.clipper = None
+            if self.clipper is not None:
+                self.clipper.remove()
+            self.clipper, self._sharded, self._in_train = None, None, False
             self._noise_source = self._sampling_seed = None
         return TrainOutput(output.global_step, output.metrics.get("train_loss", output.training_loss), output.metrics)
+
+    def _build_clipper(self, model: nn.Module, **kwargs) -> BookKeepingClipper:
+        return BookKeepingClipper(
+            model,
+            max_grad_norm=self.args.per_sample_max_grad_norm,
+            mode=self.args.clipping_mode,
+            **self._clipping_policy_kwargs(),
+            **kwargs,
+        )
 
     def _clipping_policy_kwargs(self) -> dict[str, Any]:
         args = self.args
@@ -570,12 +621,13 @@ class DPTrainerMixin:
         """Noise and sampling seeds for this start: from the OS (shared by all processes, never written), or from
         ``noise_seed`` and ``data_seed``/``seed`` in a test run."""
         args = self.args
+        stream = args.process_index if self.is_fsdp_enabled else 0  # FSDP2: each process noises its own shards
         if args.noise_seed is not None:
             sampling_seed = args.data_seed if args.data_seed is not None else args.seed
-            self._noise_source = NoiseSource(args.noise_seed, secure=args.secure_mode)
+            self._noise_source = NoiseSource(args.noise_seed, secure=args.secure_mode, stream=stream)
         else:
             noise_seed, sampling_seed = broadcast_from_main([secrets.randbits(128), secrets.randbits(128)])
-            self._noise_source = NoiseSource(noise_seed, secure=args.secure_mode)
+            self._noise_source = NoiseSource(noise_seed, secure=args.secure_mode, stream=stream)
             self._noise_source.deterministic = False
         self._sampling_seed = sampling_seed
 
@@ -682,3 +734,7 @@ def _batch_size(inputs: dict[str, Any]) -> int:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return value.shape[0]
     raise ValueError("The batch has no tensor with a batch dimension.")
+
+
+def _first_example(dataset) -> list:
+    return [dataset[0]]

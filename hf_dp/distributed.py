@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["all_reduce_sum_", "broadcast_from_main"]
+__all__ = ["all_reduce_sum_", "any_process", "broadcast_from_main"]
 
 
 @torch.no_grad()
@@ -37,3 +37,14 @@ def broadcast_from_main(values: list) -> list:
     box = list(values)
     dist.broadcast_object_list(box, src=0)
     return box
+
+
+def any_process(flag: bool, *, device: torch.device | str = "cpu") -> bool:
+    """Whether ``flag`` holds on any process (every process must call it at the same point)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    box = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return bool(box.item())

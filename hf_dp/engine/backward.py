@@ -71,13 +71,25 @@ class BackwardBookkeeping:
 
     def _per_example_grads(self, use: Use, grad) -> dict[nn.Parameter, PerExampleGrad]:
         entry, b = use.entry, self._pass.size
+        # a rule reads its module's parameters now: FSDP2 may hold the sharded twin of a used parameter again
+        trainable = set(use.params) | {self._registered[q] for q in use.params if q in self._registered}
         with self._inert(), torch.no_grad():
             if entry.is_fallback:
-                grads = entry.rule.per_example_grads(entry.module, use.captured, grad, set(use.params))
+                grads = entry.rule.per_example_grads(entry.module, use.captured, grad, trainable)
             else:
                 grads = closed_form_grads(
-                    entry.rule, entry.module, use.captured, grad, use.layout.outputs[0], b, set(use.params)
+                    entry.rule, entry.module, use.captured, grad, use.layout.outputs[0], b, trainable
                 )
+        if self._used_of:
+            grads = {self._used_of.get(id(q), q): g for q, g in grads.items()}
+        missing = [q for q in use.params if q not in grads]
+        if missing:
+            names = self._names()[1]
+            raise UnsupportedModuleError(
+                f"The rule {type(entry.rule).__name__} of `{entry.name}` returned no per-example gradient for "
+                f"{[names.get(q, '?') for q in missing][:3]}, which it covers: nothing was added to `p.grad` (a "
+                "missing gradient would count as zero and silently leave the parameter out of its norm)."
+            )
         if self.mode in ("bk-mixopt", "per-sample"):
             for q, g in grads.items():
                 if isinstance(g, FactoredGrad) and (self.mode == "per-sample" or g.prefers_instantiation()):
@@ -102,6 +114,7 @@ class BackwardBookkeeping:
         p = self._pass
         if p.size < 2 or not loss.requires_grad or not p.uses:
             return
+        self._check_own_passes("check that each loss depends on its own example")
         inputs = list(self._origins.values()) + [q for q in self._trainable if q.requires_grad]
         p.phase = "support"
         try:

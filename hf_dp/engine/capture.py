@@ -225,8 +225,7 @@ class CallCapture:
         p = self._pass
         if p.ghost_diff and not self._recomputing:
             self._recomputing = True
-            for q in self._trainable:
-                q.requires_grad_(False)
+            self._set_trainable_requires_grad(False)
         if p.record_random and id(module) in self._fallback_modules:
             self._push_random_frame()
 
@@ -234,8 +233,7 @@ class CallCapture:
         """Parameters back in autograd after the backward pass (``finish()``), or when a pass was abandoned."""
         if self._recomputing:
             self._recomputing = False
-            for q in self._trainable:
-                q.requires_grad_(True)
+            self._set_trainable_requires_grad(True)
 
     def _on_recompute(self, entry: HookedModule, module, args, kwargs, output, frame):
         p = self._pass

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -78,6 +78,10 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
             ``p.grad += clipped_sum`` (e.g. to reduce-scatter into a sharded gradient). With several groups it is
             called inside the backward pass, from the hook that completes the parameter's group; with one group,
             after the backward pass, parameter by parameter.
+        registered_parameters (`Mapping[nn.Parameter, nn.Parameter]`, *optional*): for a model whose modules hold
+            other parameters during the forward pass than between steps (FSDP2 swaps each sharded parameter for an
+            unsharded one): the registered parameter of each parameter the forward pass uses. The clipper must be
+            built while the model holds the used ones (:mod:`hf_dp.fsdp` does this).
 
     Raises:
         UnsupportedModuleError: BatchNorm anywhere in the model, or a trainable parameter no rule covers (at
@@ -108,6 +112,7 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
         clipping_fn: str = "abadi",
         gamma: float = 0.01,
         grad_sink: Callable[[nn.Parameter, Tensor], None] | None = None,
+        registered_parameters: Mapping[nn.Parameter, nn.Parameter] | None = None,
     ) -> None:
         if mode not in CLIPPING_MODES:
             raise ValueError(f"Unknown clipping mode {mode!r}. Choose one of {sorted(CLIPPING_MODES)}.")
@@ -127,7 +132,10 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
         self.grad_sink = grad_sink
         self.per_example_norms: Tensor | None = None
         self.per_group_norms: Tensor | None = None
+        self._registered: dict[nn.Parameter, nn.Parameter] = dict(registered_parameters or {})
+        self._used_of: dict[int, nn.Parameter] = {id(twin): p for p, twin in self._registered.items()}
         self._original_requires_grad = {p: p.requires_grad for p in model.parameters()}
+        self._original_requires_grad.update({twin: twin.requires_grad for twin in self._registered.values()})
         self._static = plan_coverage(model, allow_fallback=allow_fallback)
         self._trainable = tuple(trainable_parameters(model))
         self._set_groups()
@@ -155,12 +163,31 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
         self._early_stop = None  # checkpoint early stop switched off during the forward pass
         self._recomputing = False  # parameters switched off during a checkpointed region's recomputation
         self._norm_dtype = self._compute_norm_dtype()
+        #: Whether the engine may run passes of its own on this process's examples (the proof of a plan, the
+        #: support check); a sharded model (FSDP2) allows them only while no such pass can start a collective.
+        self.allow_own_passes = True
         self._root_handles = [
             model.register_forward_pre_hook(ModelHook(self._on_root_start), with_kwargs=True, prepend=True),
             model.register_forward_hook(ModelHook(self._on_root_end), always_call=True),
         ]
 
     # ------------------------------------------------------------------ public helpers
+    @property
+    def needs_planning(self) -> bool:
+        """Whether the next forward and backward passes in training may run passes of the engine's own on their
+        examples (the proof of a plan, the first-batch support check)."""
+        return self._plan is None or not self._support_checked or (self.mode == "ghost" and not self._sum_checked)
+
+    def _check_own_passes(self, what: str) -> None:
+        if not self.allow_own_passes:
+            raise UnsupportedModuleError(
+                f"hf_dp needs to {what} on this process's examples alone, which it allows on a sharded model (FSDP2) "
+                "only in the micro-batches where every process has the whole model (DPTrainer arranges them at the "
+                "start of a plan): a model that takes a new path through its modules in the middle of training "
+                "cannot be sharded. Make the model take the same path for every batch (e.g. always pass an "
+                "attention mask), or train without FSDP."
+            )
+
     @property
     def hooked_modules(self) -> list[tuple[str, str]]:
         """``(module name, rule name)`` for every module the engine hooks (the proven plan once a batch was seen)."""
@@ -222,6 +249,7 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
             clipper.self_check(batch, lambda m, b: causal_lm_loss(m(**b).logits, b["labels"]))
             ```
         """
+        self._check_own_passes("run the self-check")
         return self_check(self, inputs, per_example_loss, num_examples=num_examples)
 
     def backward(self, per_example_loss: Tensor) -> Tensor:

@@ -61,11 +61,20 @@ class ForwardHooks:
             modules.setdefault(id(module), name)
         params = {}
         for name, p in self.model.named_parameters():
-            params.setdefault(p, name)
+            params.setdefault(self._used_of.get(id(p), p), name)
         return modules, params
 
+    def _set_trainable_requires_grad(self, flag: bool) -> None:
+        """``requires_grad`` of every trainable parameter the forward pass uses, and of its registered twin (FSDP2
+        copies the sharded parameter's flag onto the unsharded one whenever it all-gathers)."""
+        for p in self._trainable:
+            p.requires_grad_(flag)
+            twin = self._registered.get(p)
+            if twin is not None:
+                twin.requires_grad_(flag)
+
     def _replan_if_changed(self) -> bool:
-        current = trainable_parameters(self.model)
+        current = [self._used_of.get(id(p), p) for p in trainable_parameters(self.model)]
         if [id(p) for p in current] == [id(p) for p in self._trainable]:
             return False
         # requires_grad changed: check coverage again, and prove a new plan on the next batch
@@ -161,8 +170,7 @@ class ForwardHooks:
         self._early_stop = set_checkpoint_early_stop(False)
         self._early_stop.__enter__()
         if self._pass.ghost_diff:
-            for p in self._trainable:
-                p.requires_grad_(False)
+            self._set_trainable_requires_grad(False)
         return None
 
     def _on_root_end(self, module: nn.Module, args: tuple, output) -> None:
@@ -189,8 +197,7 @@ class ForwardHooks:
             early_stop.__exit__(None, None, None)
         self._stop_verification()
         if self._capturing and self._pass is not None and self._pass.ghost_diff:
-            for p in self._trainable:
-                p.requires_grad_(True)
+            self._set_trainable_requires_grad(True)
         self._capturing = False
 
     def _stop_verification(self) -> None:

@@ -36,6 +36,7 @@ class PlanProof:
     def _make_plan(self, args: tuple, kwargs: dict, batch: RootBatch, first: int = 0, second: int = 1) -> Plan:
         """Prove a plan on the sub-batches ``[first]`` and ``[second, first]`` of this batch (``[first, first]`` for
         a batch of one), with ``[second, second, first]`` when a leaf is a tensor in one run only."""
+        self._check_own_passes("prove a plan")
         names, param_names = self._names()
         params = {id(p): p for p in self._trainable}
         devices = sorted({p.device for p in self.model.parameters()}, key=str)
@@ -115,6 +116,7 @@ class PlanProof:
         join the plan (the next call with this structure uses them); the hooked modules and what they cover must
         be those of the plan."""
         root = self._root_call
+        self._check_own_passes(f"prove a new path of `{entry.name}`")
         if root is None:
             raise UnsupportedModuleError(
                 f"Call {ordinal} of module `{entry.name}` ({type(module).__name__}) runs outside the model's forward "

@@ -1,0 +1,174 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) under book-keeping.
+
+FSDP2 keeps each parameter sharded along dimension 0 between steps and, for a module's forward and backward passes,
+all-gathers it into an unsharded parameter that it swaps into the module. Book-keeping never lets autograd compute a
+weight gradient (ghost differentiation), so FSDP's own reduce-scatter has nothing to reduce; instead:
+
+* the clipper is built while every FSDP group is unsharded, on the unsharded parameters (FSDP2 keeps one unsharded
+  parameter object per parameter after its first all-gather), with the sharded parameters as their registered twins;
+* the clipped sum of each parameter over this rank's examples (full size) is handed to :meth:`FSDP2Clipping.sink` and,
+  after ``finish()``, reduce-scattered into the sharded gradient (:meth:`FSDP2Clipping.flush`): every rank makes the
+  same collectives in the same order, a rank whose micro-batch is empty with zeros;
+* a micro-batch in which the engine runs passes of its own (the proof of a plan, the support check, the self-check)
+  runs with every group unsharded and resharding off (:meth:`FSDP2Clipping.collective_free`), so that those passes,
+  which depend on this rank's examples, make no collective; all ranks enter it together (an all-reduced flag);
+* the noise is added by every rank to its own shard from its own stream, so that every coordinate of the global sum
+  is noised exactly once.
+
+FSDP's gradient reduction is switched off for the run (:meth:`FSDP2Clipping.start`), so that nothing is reduced
+twice; parameters, gradients and optimizer states stay sharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["FSDP2Clipping", "fsdp2_modules", "is_fsdp2"]
+
+
+def _fsdp_module_class():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return None
+    return FSDPModule
+
+
+def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` was applied to (the root first)."""
+    cls = _fsdp_module_class()
+    return [] if cls is None else [m for m in model.modules() if isinstance(m, cls)]
+
+
+def is_fsdp2(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``model`` or one of its modules."""
+    return bool(fsdp2_modules(model))
+
+
+class FSDP2Clipping:
+    """The link between a ``fully_shard`` model and :class:`~hf_dp.engine.BookKeepingClipper`.
+
+    Args:
+        model (`nn.Module`): the model after ``fully_shard`` (e.g. by accelerate's FSDP plugin, ``fsdp_version=2``).
+
+    Raises:
+        ValueError: a sharding the reduce-scatter below does not implement (a parameter not sharded on dim 0 of a
+            1-D mesh, CPU offloading).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.modules = fsdp2_modules(model)
+        self.param_groups = [g for m in self.modules for g in m._get_fsdp_state()._fsdp_param_groups]
+        self.fsdp_params = [fp for g in self.param_groups for fp in g.fsdp_params]
+        for fp in self.fsdp_params:
+            if getattr(fp, "offload_to_cpu", False):
+                raise ValueError(
+                    "hf_dp with FSDP2 does not support CPU offloading (`offload_params`): the clipped sums are "
+                    "reduce-scattered into gradients on the device. Turn offloading off."
+                )
+        self._stash: dict[int, Tensor] = {}
+        self._unsharded: dict[int, nn.Parameter] = {}  # id(sharded) -> unsharded (set by registered_parameters)
+
+    # ------------------------------------------------------------------ state of the groups
+    def unshard_all(self) -> None:
+        """All-gather every group (a collective: every rank calls it at the same point)."""
+        for module in self.modules:
+            module.unshard()
+
+    def reshard_all(self) -> None:
+        """Free the unsharded parameters of every group (local)."""
+        for group in self.param_groups:
+            group.reshard()
+
+    def start(self) -> None:
+        """FSDP never reduces a gradient in this run (the clipped sums are reduce-scattered by :meth:`flush`)."""
+        for module in self.modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+
+    @contextlib.contextmanager
+    def collective_free(self) -> Iterator[None]:
+        """Every group unsharded (one all-gather each, on every rank), then no reshard after forward or backward
+        until the end of the block, so that the passes the engine runs on this rank's examples alone make no
+        collective; resharded (locally) at the end."""
+        saved = [(g, g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads) for g in self.param_groups]
+        self.unshard_all()
+        for module in self.modules:
+            module.set_reshard_after_forward(False, recurse=False)
+            module.set_reshard_after_backward(False, recurse=False)
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for group, mesh_info, after_backward, reduce_grads in saved:
+                group.post_forward_mesh_info = mesh_info
+                group.reshard_after_backward = after_backward
+                group.reduce_grads = group.all_reduce_grads = reduce_grads
+            self.reshard_all()
+            for fp in self.fsdp_params:  # passes of the engine may have left autograd gradients on them
+                if hasattr(fp, "_unsharded_param"):
+                    fp._unsharded_param.grad = None
+
+    def registered_parameters(self) -> dict[nn.Parameter, nn.Parameter]:
+        """``{unsharded: sharded}`` for every parameter (call while unsharded, e.g. inside :meth:`collective_free`)."""
+        mapping = {}
+        for fp in self.fsdp_params:
+            unsharded = fp._unsharded_param
+            mapping[unsharded] = fp.sharded_param
+            self._unsharded[id(fp.sharded_param)] = unsharded
+        return mapping
+
+    # ------------------------------------------------------------------ gradients
+    def sink(self, param: nn.Parameter, clipped_sum: Tensor) -> None:
+        """The clipper's ``grad_sink``: keep this rank's clipped sum of ``param`` until :meth:`flush`."""
+        key = id(param)
+        self._stash[key] = clipped_sum if key not in self._stash else self._stash[key] + clipped_sum
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Reduce-scatter every trainable parameter's stashed clipped sum (zeros if none) into its sharded gradient,
+        in the same order on every rank."""
+        from torch.distributed.tensor import DTensor, Partial
+
+        stash, self._stash = self._stash, {}
+        for fp in self.fsdp_params:
+            sharded = fp.sharded_param
+            if not sharded.requires_grad:
+                continue
+            unsharded = self._unsharded.get(id(sharded))
+            full = stash.pop(id(unsharded), None) if unsharded is not None else None
+            if full is None:
+                full = torch.zeros(sharded.shape, dtype=sharded.dtype, device=sharded.to_local().device)
+            mesh = sharded.device_mesh
+            partial = DTensor.from_local(
+                full.to(sharded.dtype).contiguous(),
+                mesh,
+                [Partial("sum")] * mesh.ndim,
+                run_check=False,
+                shape=sharded.shape,
+                stride=sharded.stride(),
+            )
+            local = partial.redistribute(mesh, sharded.placements).to_local()
+            if sharded.grad is None:
+                sharded.grad = DTensor.from_local(
+                    local.clone(),
+                    mesh,
+                    sharded.placements,
+                    run_check=False,
+                    shape=sharded.shape,
+                    stride=sharded.stride(),
+                )
+            else:
+                sharded.grad.to_local().add_(local)
+        if stash:
+            raise RuntimeError("hf_dp: the clipper delivered a clipped sum for a parameter FSDP2 does not manage.")
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The part of ``t`` held by this process (a DTensor's local shard, else ``t``)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t

@@ -101,11 +101,6 @@ def check_fsdp(args: DPArgumentsMixin) -> None:
         raise ValueError("DPTrainer does not support activation checkpointing together with FSDP2 yet. Turn one off.")
     if args.fp16:
         raise ValueError(
-            "DPTrainer does not support fp16 with FSDP2 (its loss-scale policy needs the whole gradient on each "
-            "process). Use `bf16=True`, or fp16 without FSDP."
-        )
-    if args.clipping_mode == "ghost":
-        raise ValueError(
-            "`clipping_mode='ghost'` runs a second backward pass per micro-batch, which FSDP2 cannot follow. Use "
-            "`bk-mixopt` (the default), `bk` or `per-sample` with FSDP2."
+            "DPTrainer does not support fp16 with FSDP2 yet: accelerate's sharded loss scaling and hf_dp's noised "
+            "overflow policy (hf_dp.loss_scale) are not wired together. Use `bf16=True`, or fp16 without FSDP."
         )

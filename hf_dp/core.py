@@ -336,7 +336,8 @@ class DPTrainerMixin:
         if self._sharded is None:
             self._sharded = FSDP2Clipping(model)
         self._sharded.start()
-        planning = self.clipper is None or self.clipper.needs_planning or self._needs_self_check
+        size = 1 if PLACEHOLDER_KEY in inputs else (0 if is_empty_batch(inputs) else _batch_size(inputs))
+        planning = self.clipper is None or self.clipper.needs_own_passes(size) or self._needs_self_check
         if not any_process(planning, device=self.args.device):
             return self._dp_step(model, inputs, num_items_in_batch)
         with self._sharded.collective_free():

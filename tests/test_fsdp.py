@@ -5,6 +5,7 @@ let accelerate's state take the FSDP plugin on ``MULTI_CPU`` too (:func:`_allow_
 so that the Trainer runs its own FSDP2 path: accelerate's ``fsdp2_prepare_model`` and ``fully_shard`` on gloo.
 """
 
+import contextlib
 import math
 import os
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from models import gpt2
 from test_distributed import _reset_accelerate_state
-from test_trainer import ToyDataset, collate, dp_args
+from test_trainer import ToyDataset, collate, dp_args, pad_collate
 
 N = 16
 
@@ -28,7 +29,10 @@ def _allow_fsdp_on_cpu():
     def init(self, *args, fsdp_plugin=None, **kwargs):
         original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
         if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            # what accelerate does for the GPU device types
             self.distributed_type = DistributedType.FSDP
+            if self._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
             self.fsdp_plugin = fsdp_plugin
 
     init._hf_dp_patched = True
@@ -54,6 +58,7 @@ def _run(
     *,
     fsdp=True,
     saves=False,
+    dynamic_padding=False,
     stop_at=None,
     resume=False,
     **overrides,
@@ -62,6 +67,7 @@ def _run(
     from transformers import TrainerCallback
 
     from hf_dp import DPTrainer
+    from hf_dp.collators import is_empty_batch
 
     _allow_fsdp_on_cpu()
     _reset_accelerate_state()
@@ -93,7 +99,8 @@ def _run(
         **sharding,
         **overrides,
     )
-    trainer = DPTrainer(model=model, args=args, train_dataset=ToyDataset(N), data_collator=collate)
+    dataset, collator = (ToyDataset(N, trim=True), pad_collate) if dynamic_padding else (ToyDataset(N), collate)
+    trainer = DPTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
 
     class Stop(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -101,8 +108,18 @@ def _run(
                 control.should_training_stop = True
 
     trainer.add_callback(Stop())
+    empty = torch.zeros(1)
+    step = trainer.training_step
+
+    def counting_step(model, inputs, *rest):
+        empty.add_(float(is_empty_batch(inputs)))
+        return step(model, inputs, *rest)
+
+    trainer.training_step = counting_step
     trainer.train(resume_from_checkpoint=True if resume else None)
     after = _full_state(trainer.model)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(empty)
     if trainer.is_world_process_zero():
         torch.save(
             {
@@ -114,6 +131,7 @@ def _run(
                 "steps": trainer.dp_callback.steps,
                 "is_fsdp": trainer.is_fsdp_enabled,
                 "sharded": type(next(trainer.model.parameters())).__name__,
+                "empty_micro_batches": int(empty.item()),
             },
             result_path,
         )
@@ -164,18 +182,49 @@ def single_process():
 
 
 class TestFSDP2:
-    def test_two_sharded_processes_match_one(self, tmp_path, single_process):
-        """sigma = 0, q = 1: two processes with sharded parameters take the 1-process (unsharded) steps."""
+    @pytest.mark.parametrize("dynamic_padding", [False, True])
+    def test_two_sharded_processes_match_one(self, tmp_path, single_process, dynamic_padding):
+        """sigma = 0, q = 1: two processes with sharded parameters take the 1-process (unsharded) steps; with
+        dynamic padding every micro-batch has its own length."""
         two = tmp_path / "two.pt"
-        _launch(str(tmp_path / "fsdp"), str(two), 0.0, 2, 4, 2)
+        _launch(str(tmp_path / "fsdp"), str(two), 0.0, 3, 4, 2, dynamic_padding=dynamic_padding)
         one = tmp_path / "one.pt"
-        _run(str(tmp_path / "single"), str(one), 0.0, 2, 8, 2, fsdp=False)
+        _run(str(tmp_path / "single"), str(one), 0.0, 3, 8, 2, fsdp=False, dynamic_padding=dynamic_padding)
         r2, r1 = torch.load(two, weights_only=False), torch.load(one, weights_only=False)
         assert r2["is_fsdp"] and r2["sharded"] == "DTensor" and r2["world_size"] == 2
         for name in r1["after"]:
             torch.testing.assert_close(r2["after"][name], r1["after"][name], rtol=1e-5, atol=1e-6, msg=name)
         assert any(not torch.equal(r1["after"][k], r1["before"][k]) for k in r1["after"])
         assert r2["epsilon"] == r1["epsilon"]
+
+    def test_bf16_parameters_close_to_fp32(self, tmp_path, single_process):
+        """bf16 (FSDP2 all-gathers bf16 parameters, MixedPrecisionPolicy): the two steps are those of fp32 up to bf16
+        rounding (a parameter left out or counted twice would be off by its whole update)."""
+        two, one = tmp_path / "bf16.pt", tmp_path / "one.pt"
+        _launch(str(tmp_path / "a"), str(two), 0.0, 2, 4, 2, bf16=True)
+        _run(str(tmp_path / "b"), str(one), 0.0, 2, 8, 2, fsdp=False)
+        r2, r1 = torch.load(two, weights_only=False), torch.load(one, weights_only=False)
+        assert r2["is_fsdp"]
+        for name in r1["after"]:
+            update = r1["after"][name] - r1["before"][name]
+            if update.abs().max() == 0:  # the causal mask buffer
+                continue
+            error = (r2["after"][name] - r1["after"][name]).abs().max() / update.abs().max()
+            assert error < 0.05, (name, float(error))
+
+    def test_empty_micro_batches_match_data_parallel(self, tmp_path, single_process):
+        """q < 1 with micro-batches of about one example: a process whose micro-batch is empty runs the placeholder
+        with loss weight 0 (FSDP2 needs every process in every forward); the steps equal those of DDP, which skips
+        it."""
+        sharded, ddp = tmp_path / "fsdp.pt", tmp_path / "ddp.pt"
+        _launch(str(tmp_path / "a"), str(sharded), 0.0, 3, 1, 4)
+        _launch(str(tmp_path / "b"), str(ddp), 0.0, 3, 1, 4, fsdp=False)
+        rs, rd = torch.load(sharded, weights_only=False), torch.load(ddp, weights_only=False)
+        assert rs["is_fsdp"] and not rd["is_fsdp"]
+        assert rs["empty_micro_batches"] == rd["empty_micro_batches"] > 0
+        for name in rd["after"]:
+            torch.testing.assert_close(rs["after"][name], rd["after"][name], rtol=1e-5, atol=1e-6, msg=name)
+        assert any(not torch.equal(rd["after"][k], rd["before"][k]) for k in rd["after"])
 
     def test_noise_added_once_per_coordinate(self, tmp_path, single_process):
         sigma, clip = 2.0, 0.5
@@ -212,3 +261,158 @@ class TestFSDP2:
         # same steps as the uninterrupted one
         for name in rf["after"]:
             torch.testing.assert_close(rp["after"][name], rf["after"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------- engine level
+# (model, batches, loss, class of the blocks to shard, mode, clipping style, clipping function)
+ENGINE_CASES = [
+    ("gpt2", "causal", "GPT2Block", "bk-mixopt", "all-layer", "abadi"),
+    ("gpt2", "causal", "GPT2Block", "bk", "all-layer", "abadi"),
+    ("gpt2", "causal", "GPT2Block", "per-sample", "all-layer", "abadi"),
+    ("gpt2", "causal", "GPT2Block", "bk-mixopt", "layer-wise", "abadi"),
+    ("gpt2", "causal", "GPT2Block", "bk", "param-wise", "automatic"),
+    ("gpt2_untied", "causal", "GPT2Block", "bk-mixopt", "all-layer", "abadi"),
+    ("gpt2_b_eq_t", "causal_b_eq_t", "GPT2Block", "bk", "all-layer", "abadi"),
+    ("gpt2_lora", "causal", "GPT2Block", "bk-mixopt", "all-layer", "abadi"),
+    ("llama", "causal", "LlamaDecoderLayer", "bk-mixopt", "all-layer", "abadi"),
+    ("llama", "causal", "LlamaDecoderLayer", "bk", "layer-wise", "abadi"),
+    ("bert_classifier", "classification", "BertLayer", "bk-mixopt", "all-layer", "abadi"),
+]
+
+
+def _engine_case(case, rank, world):
+    """Worst relative error between the sharded clipped sums (2 micro-batches: the first with the whole model on
+    every process, the second sharded as in training, where process 1 runs a weight-0 placeholder) and one process's
+    clipped sums of the same examples."""
+    import copy
+
+    import models
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_dp.engine import BookKeepingClipper
+    from hf_dp.fsdp import FSDP2Clipping
+
+    name, data, block, mode, style, fn = case
+    builders = {
+        "gpt2": models.gpt2,
+        "gpt2_b_eq_t": models.gpt2,
+        "gpt2_untied": lambda: models.gpt2(tied=False),
+        "gpt2_lora": models.gpt2_lora,
+        "llama": models.llama,
+        "bert_classifier": models.bert_classifier,
+    }
+    batches = {
+        "causal": models.causal_batches,
+        "causal_b_eq_t": lambda: models.causal_batches(shapes=models.B_EQ_T),
+        "classification": models.classification_batches,
+    }[data]()
+    loss_fn = models.classification_loss if data == "classification" else models.causal_loss
+    torch.manual_seed(0)
+    model = builders[name]()
+    reference = copy.deepcopy(model)
+    kwargs = dict(max_grad_norm=0.5, mode=mode, clipping_style=style, clipping_fn=fn)
+    ref = BookKeepingClipper(reference, **kwargs)
+    for batch in batches:
+        ref.backward(loss_fn(reference, batch))
+    ref.remove()
+
+    mesh = init_device_mesh("cpu", (world,))
+    for module in model.modules():
+        if type(module).__name__ == block:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sharded = FSDP2Clipping(model)
+    sharded.start()
+    with sharded.collective_free():
+        clipper = BookKeepingClipper(
+            model, **kwargs, grad_sink=sharded.sink, registered_parameters=sharded.registered_parameters()
+        )
+    for step, batch in enumerate(batches):
+        weight = 1.0
+        if step == 0:
+            local = {k: v[rank::world] for k, v in batch.items()}
+        elif rank == 0:
+            local = batch
+        else:  # an empty micro-batch: the placeholder example, loss weight 0
+            local, weight = {k: v[:1] for k, v in batch.items()}, 0.0
+        block_ctx = sharded.collective_free() if step == 0 else contextlib.nullcontext()
+        with block_ctx:
+            clipper.allow_own_passes = step == 0
+            loss = loss_fn(model, local) * weight
+            clipper.prepare(loss, loss_scale=1.0)
+            loss.sum().backward()
+            clipper.finish()
+            sharded.flush()
+    clipper.remove()
+    worst = 0.0
+    for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        if not q.requires_grad:
+            assert p.grad is None, n
+            continue
+        # error relative to the parameter's gradient, floored at 1e-3 (a gradient that is zero in exact arithmetic,
+        # like BERT's key bias under softmax, is float32 rounding noise in both)
+        scale = max(float(q.grad.abs().max()), 1e-3)
+        worst = max(worst, float((p.grad.full_tensor() - q.grad).abs().max()) / scale)
+    return worst
+
+
+def _engine_job(rank, world, port, result_path):
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        errors = {"-".join(case): _engine_case(case, rank, world) for case in ENGINE_CASES}
+        if rank == 0:
+            torch.save(errors, result_path)
+    finally:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def test_engine_sharded_clipped_sums_match_one_process(tmp_path):
+    """BookKeepingClipper on a fully_shard model (2 gloo processes): the reduce-scattered clipped sums equal one
+    process's on the same examples, for every mode, clipping style and function, tied and untied heads, LoRA,
+    micro-batch == sequence length, and a process whose micro-batch is a weight-0 placeholder."""
+    import socket
+
+    from torch.multiprocessing import start_processes
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = tmp_path / "errors.pt"
+    start_processes(_engine_job, args=(2, port, str(result)), nprocs=2, start_method="spawn")
+    errors = torch.load(result)
+    assert len(errors) == len(ENGINE_CASES)
+    bad = {case: err for case, err in errors.items() if not err < 1e-5}
+    assert not bad, bad
+
+
+# ---------------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"fsdp_config": {"version": 1}}, "FSDP2 only"),
+        ({"fsdp_config": {"version": 2, "cpu_offload": True}}, "offloading"),
+        ({"fsdp_config": {"version": 2, "activation_checkpointing": True}}, "activation checkpointing"),
+        ({"fsdp_config": {"version": 2}, "gradient_checkpointing": True}, "activation checkpointing"),
+    ],
+)
+def test_unsupported_fsdp_settings_are_refused(tmp_path, single_process, overrides, match):
+    from hf_dp import DPTrainer
+
+    args = dp_args(str(tmp_path), fsdp=True, **overrides)
+    with pytest.raises(ValueError, match=match):
+        DPTrainer(model=gpt2(), args=args, train_dataset=ToyDataset(N), data_collator=collate)
+
+
+def test_deepspeed_is_refused_with_fsdp2_pointer(tmp_path, single_process):
+    from hf_dp.checks import check_before_init
+
+    args = dp_args(str(tmp_path))
+    args.deepspeed = {"zero_optimization": {"stage": 2}}  # set after init: building the DeepSpeed plugin needs it
+    with pytest.raises(ValueError, match="FSDP2"):
+        check_before_init(gpt2(), args, ToyDataset(N), None)

@@ -172,11 +172,14 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
         ]
 
     # ------------------------------------------------------------------ public helpers
-    @property
-    def needs_planning(self) -> bool:
-        """Whether the next forward and backward passes in training may run passes of the engine's own on their
-        examples (the proof of a plan, the first-batch support check)."""
-        return self._plan is None or not self._support_checked or (self.mode == "ghost" and not self._sum_checked)
+    def needs_own_passes(self, batch_size: int) -> bool:
+        """Whether a training micro-batch of ``batch_size`` examples may make the engine run passes of its own on them
+        (the proof of a plan; the support check, on the first batch of two or more examples)."""
+        if batch_size == 0:
+            return False
+        if self._plan is None or (self.mode == "ghost" and not self._sum_checked):
+            return True
+        return not self._support_checked and batch_size >= 2
 
     def _check_own_passes(self, what: str) -> None:
         if not self.allow_own_passes:

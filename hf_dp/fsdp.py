@@ -6,9 +6,11 @@ weight gradient (ghost differentiation), so FSDP's own reduce-scatter has nothin
 
 * the clipper is built while every FSDP group is unsharded, on the unsharded parameters (FSDP2 keeps one unsharded
   parameter object per parameter after its first all-gather), with the sharded parameters as their registered twins;
-* the clipped sum of each parameter over this rank's examples (full size) is handed to :meth:`FSDP2Clipping.sink` and,
-  after ``finish()``, reduce-scattered into the sharded gradient (:meth:`FSDP2Clipping.flush`): every rank makes the
-  same collectives in the same order, a rank whose micro-batch is empty with zeros;
+* the clipped sum of each parameter over this rank's examples (full size) is handed to :meth:`FSDP2Clipping.sink`;
+  once every trainable parameter of an FSDP group has its sum, the group's sums are reduce-scattered into its sharded
+  gradients (at most one group's full-size sums are held at a time). Every rank makes the same collectives in the same
+  order (the order of the backward pass, as FSDP's own reduce-scatters; checked), a rank whose micro-batch is empty
+  runs a placeholder with loss weight 0 (DPTrainer) and so reduce-scatters zeros;
 * a micro-batch in which the engine runs passes of its own (the proof of a plan, the support check, the self-check)
   runs with every group unsharded and resharding off (:meth:`FSDP2Clipping.collective_free`), so that those passes,
   which depend on this rank's examples, make no collective; all ranks enter it together (an all-reduced flag);
@@ -71,8 +73,10 @@ class FSDP2Clipping:
                     "hf_dp with FSDP2 does not support CPU offloading (`offload_params`): the clipped sums are "
                     "reduce-scattered into gradients on the device. Turn offloading off."
                 )
-        self._stash: dict[int, Tensor] = {}
-        self._unsharded: dict[int, nn.Parameter] = {}  # id(sharded) -> unsharded (set by registered_parameters)
+        self._stash: dict[int, Tensor] = {}  # id(unsharded parameter) -> this process's clipped sum
+        self._unit_of: dict[int, int] = {}  # id(unsharded trainable parameter) -> index of its FSDP group in _units
+        self._units: list[list] = []  # the trainable FSDPParams of each FSDP group that has any
+        self._pending: list[int] = []  # per group: trainable parameters whose clipped sum has not arrived
 
     # ------------------------------------------------------------------ state of the groups
     def unshard_all(self) -> None:
@@ -114,35 +118,68 @@ class FSDP2Clipping:
                     fp._unsharded_param.grad = None
 
     def registered_parameters(self) -> dict[nn.Parameter, nn.Parameter]:
-        """``{unsharded: sharded}`` for every parameter (call while unsharded, e.g. inside :meth:`collective_free`)."""
+        """``{unsharded: sharded}`` for every parameter (call while unsharded, e.g. inside :meth:`collective_free`);
+        fixes the trainable parameters of each FSDP group, whose clipped sums :meth:`sink` then reduce-scatters."""
         mapping = {}
-        for fp in self.fsdp_params:
-            unsharded = fp._unsharded_param
-            mapping[unsharded] = fp.sharded_param
-            self._unsharded[id(fp.sharded_param)] = unsharded
+        self._units = []
+        for group in self.param_groups:
+            unit = []
+            for fp in group.fsdp_params:
+                mapping[fp._unsharded_param] = fp.sharded_param
+                if fp.sharded_param.requires_grad:
+                    self._unit_of[id(fp._unsharded_param)] = len(self._units)
+                    unit.append(fp)
+            if unit:
+                self._units.append(unit)
+        self._pending = [len(unit) for unit in self._units]
         return mapping
 
     # ------------------------------------------------------------------ gradients
     def sink(self, param: nn.Parameter, clipped_sum: Tensor) -> None:
-        """The clipper's ``grad_sink``: keep this rank's clipped sum of ``param`` until :meth:`flush`."""
-        key = id(param)
-        self._stash[key] = clipped_sum if key not in self._stash else self._stash[key] + clipped_sum
+        """The clipper's ``grad_sink``: keep this process's clipped sum of ``param``; once every trainable parameter of
+        its FSDP group has one, reduce-scatter them into the group's sharded gradients (so that at most one group's
+        full-size sums are held at a time)."""
+        unit = self._unit_of.get(id(param))
+        if unit is None:
+            raise RuntimeError(
+                "hf_dp: the clipper delivered a clipped sum for a parameter that FSDP2 does not manage as trainable."
+            )
+        if id(param) in self._stash:
+            raise RuntimeError("hf_dp: the clipper delivered a parameter's clipped sum twice in one micro-batch.")
+        self._stash[id(param)] = clipped_sum
+        self._pending[unit] -= 1
+        if self._pending[unit] == 0:
+            self._reduce_unit(unit)
+
+    def flush(self) -> None:
+        """After ``finish()``: every trainable parameter's clipped sum was reduce-scattered (else RuntimeError)."""
+        if any(self._pending) or self._stash:
+            raise RuntimeError(
+                "hf_dp: a micro-batch ended before every trainable parameter's clipped sum reached its shard."
+            )
+        self._pending = [len(unit) for unit in self._units]
 
     @torch.no_grad()
-    def flush(self) -> None:
-        """Reduce-scatter every trainable parameter's stashed clipped sum (zeros if none) into its sharded gradient,
-        in the same order on every rank."""
+    def _reduce_unit(self, unit: int) -> None:
+        """Reduce-scatter the clipped sums of FSDP group ``unit`` into its sharded gradients. The groups complete in
+        the order of the backward pass, which FSDP itself requires to be the same on every process; the index of the
+        group is compared across processes first, so that a mismatch raises instead of summing different tensors."""
+        import torch.distributed as dist
         from torch.distributed.tensor import DTensor, Partial
 
-        stash, self._stash = self._stash, {}
-        for fp in self.fsdp_params:
+        fsdp_params = self._units[unit]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            device = fsdp_params[0].sharded_param.to_local().device
+            check = torch.tensor([unit, -unit], device=device)
+            dist.all_reduce(check, op=dist.ReduceOp.MAX)
+            if check.tolist() != [unit, -unit]:
+                raise RuntimeError(
+                    "hf_dp: the processes completed different FSDP groups at the same point of the backward pass "
+                    f"(this one: group {unit}); their clipped sums cannot be reduce-scattered together."
+                )
+        for fp in fsdp_params:
             sharded = fp.sharded_param
-            if not sharded.requires_grad:
-                continue
-            unsharded = self._unsharded.get(id(sharded))
-            full = stash.pop(id(unsharded), None) if unsharded is not None else None
-            if full is None:
-                full = torch.zeros(sharded.shape, dtype=sharded.dtype, device=sharded.to_local().device)
+            full = self._stash.pop(id(fp._unsharded_param))
             mesh = sharded.device_mesh
             partial = DTensor.from_local(
                 full.to(sharded.dtype).contiguous(),
@@ -152,6 +189,7 @@ class FSDP2Clipping:
                 shape=sharded.shape,
                 stride=sharded.stride(),
             )
+            del full
             local = partial.redistribute(mesh, sharded.placements).to_local()
             if sharded.grad is None:
                 sharded.grad = DTensor.from_local(
@@ -164,8 +202,6 @@ class FSDP2Clipping:
                 )
             else:
                 sharded.grad.to_local().add_(local)
-        if stash:
-            raise RuntimeError("hf_dp: the clipper delivered a clipped sum for a parameter FSDP2 does not manage.")
 
 
 def local_tensor(t: Tensor) -> Tensor:

@@ -65,7 +65,11 @@ class FSDP2Clipping:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.modules = fsdp2_modules(model)
-        self.param_groups = [g for m in self.modules for g in m._get_fsdp_state()._fsdp_param_groups]
+        groups = {}  # a state can be shared by several modules (``fully_shard([a, b])``): each group once
+        for module in self.modules:
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                groups.setdefault(id(group), group)
+        self.param_groups = list(groups.values())
         self.fsdp_params = [fp for g in self.param_groups for fp in g.fsdp_params]
         for fp in self.fsdp_params:
             if getattr(fp, "offload_to_cpu", False):

@@ -117,9 +117,11 @@ class FSDP2Clipping:
                 group.reshard_after_backward = after_backward
                 group.reduce_grads = group.all_reduce_grads = reduce_grads
             self.reshard_all()
-            for fp in self.fsdp_params:  # passes of the engine may have left autograd gradients on them
+            for fp in self.fsdp_params:  # passes of the engine (the self-check) may have left autograd gradients
                 if hasattr(fp, "_unsharded_param"):
                     fp._unsharded_param.grad = None
+                if getattr(fp, "unsharded_accumulated_grad", None) is not None:  # FSDP's copy in its reduce dtype
+                    fp.unsharded_accumulated_grad = None
 
     def registered_parameters(self) -> dict[nn.Parameter, nn.Parameter]:
         """``{unsharded: sharded}`` for every parameter (call while unsharded, e.g. inside :meth:`collective_free`);

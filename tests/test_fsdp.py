@@ -6,6 +6,7 @@ so that the Trainer runs its own FSDP2 path: accelerate's ``fsdp2_prepare_model`
 """
 
 import contextlib
+import json
 import math
 import os
 
@@ -252,6 +253,13 @@ class TestFSDP2:
         rf, rp = torch.load(full, weights_only=False), torch.load(part, weights_only=False)
         assert rp["steps"] == 4
         assert rp["epsilon"] == pytest.approx(rf["epsilon"], rel=1e-12)
+        # what the sharded checkpoint holds: the weights in torch.distributed.checkpoint's format, and a trainer state
+        # that passed the release filter (epsilon logged, no training loss)
+        checkpoint = tmp_path / "full" / "checkpoint-4"
+        assert any(path.name.startswith("pytorch_model_fsdp") for path in checkpoint.iterdir())
+        history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
+        assert any("epsilon" in h for h in history)
+        assert not any(key in h for h in history for key in ("loss", "train_loss"))
         from hf_dp.accounting import epsilon
 
         assert [h["epsilon"] for h in rf["logs"]] == pytest.approx(

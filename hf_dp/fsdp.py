@@ -24,6 +24,7 @@ twice; parameters, gradients and optimizer states stay sharded.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -56,14 +57,17 @@ class FSDP2Clipping:
 
     Args:
         model (`nn.Module`): the model after ``fully_shard`` (e.g. by accelerate's FSDP plugin, ``fsdp_version=2``).
+        bucketed (`bool`, *optional*, defaults to `True`): one flat reduce-scatter per FSDP group where every
+            parameter is sharded on dim 0 of a 1-D mesh (FSDP2's default); else, and for other placements (HSDP),
+            one DTensor redistribution per parameter.
 
     Raises:
-        ValueError: a sharding the reduce-scatter below does not implement (a parameter not sharded on dim 0 of a
-            1-D mesh, CPU offloading).
+        ValueError: CPU offloading.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, bucketed: bool = True) -> None:
         self.model = model
+        self.bucketed = bucketed
         self.modules = fsdp2_modules(model)
         groups = {}  # a state can be shared by several modules (``fully_shard([a, b])``): each group once
         for module in self.modules:
@@ -171,7 +175,7 @@ class FSDP2Clipping:
         the order of the backward pass, which FSDP itself requires to be the same on every process; the index of the
         group is compared across processes first, so that a mismatch raises instead of summing different tensors."""
         import torch.distributed as dist
-        from torch.distributed.tensor import DTensor, Partial
+        from torch.distributed.tensor import DTensor
 
         fsdp_params = self._units[unit]
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -183,24 +187,20 @@ class FSDP2Clipping:
                     "hf_dp: the processes completed different FSDP groups at the same point of the backward pass "
                     f"(this one: group {unit}); their clipped sums cannot be reduce-scattered together."
                 )
-        for fp in fsdp_params:
+        fulls = [self._stash.pop(id(fp._unsharded_param)).to(fp.sharded_param.dtype) for fp in fsdp_params]
+        if self.bucketed and _flat_shardable(fsdp_params):
+            locals_ = _flat_reduce_scatter(fsdp_params, fulls)
+        else:
+            locals_ = [
+                _dtensor_reduce_scatter(fp.sharded_param, full) for fp, full in zip(fsdp_params, fulls, strict=True)
+            ]
+        del fulls
+        for fp, local in zip(fsdp_params, locals_, strict=True):
             sharded = fp.sharded_param
-            full = self._stash.pop(id(fp._unsharded_param))
-            mesh = sharded.device_mesh
-            partial = DTensor.from_local(
-                full.to(sharded.dtype).contiguous(),
-                mesh,
-                [Partial("sum")] * mesh.ndim,
-                run_check=False,
-                shape=sharded.shape,
-                stride=sharded.stride(),
-            )
-            del full
-            local = partial.redistribute(mesh, sharded.placements).to_local()
             if sharded.grad is None:
                 sharded.grad = DTensor.from_local(
                     local.clone(),
-                    mesh,
+                    sharded.device_mesh,
                     sharded.placements,
                     run_check=False,
                     shape=sharded.shape,
@@ -208,6 +208,65 @@ class FSDP2Clipping:
                 )
             else:
                 sharded.grad.to_local().add_(local)
+
+
+def _flat_shardable(fsdp_params) -> bool:
+    """Every parameter sharded on dim 0 of the same 1-D mesh, in one dtype (FSDP2's default)."""
+    from torch.distributed.tensor import Shard
+
+    first = fsdp_params[0].sharded_param
+    return all(
+        fp.sharded_param.device_mesh is first.device_mesh
+        and first.device_mesh.ndim == 1
+        and fp.sharded_param.dim() >= 1
+        and tuple(fp.sharded_param.placements) == (Shard(0),)
+        and fp.sharded_param.dtype == first.dtype
+        for fp in fsdp_params
+    )
+
+
+def _flat_reduce_scatter(fsdp_params, fulls: list[Tensor]) -> list[Tensor]:
+    """One reduce-scatter for the group: each full-size sum padded along dim 0 to ``W * ceil(n / W)`` rows, its rank
+    chunks laid side by side (``[W, ...]``), so that process ``r`` receives the rows ``torch.chunk`` gives it (FSDP2's
+    dim-0 sharding), for every parameter at once."""
+    import torch.distributed as dist
+
+    mesh = fsdp_params[0].sharded_param.device_mesh
+    pg, world = mesh.get_group(), mesh.size()
+    blocks, layouts = [], []
+    for full in fulls:
+        rows = -(-full.shape[0] // world)  # ceil: torch.chunk's rows per process
+        padded = full.new_zeros((rows * world, *full.shape[1:]))
+        padded[: full.shape[0]] = full
+        blocks.append(padded.reshape(world, -1))
+        layouts.append((rows, full.shape[1:]))
+    flat = torch.cat(blocks, dim=1)
+    del blocks
+    out = flat.new_empty(flat.shape[1])
+    dist.reduce_scatter_tensor(out, flat.reshape(-1), group=pg)
+    locals_, offset = [], 0
+    for fp, (rows, rest) in zip(fsdp_params, layouts, strict=True):
+        numel = rows * math.prod(rest)
+        local_rows = fp.sharded_param.to_local().shape[0]
+        locals_.append(out[offset : offset + numel].view(rows, *rest)[:local_rows])
+        offset += numel
+    return locals_
+
+
+def _dtensor_reduce_scatter(sharded: Tensor, full: Tensor) -> Tensor:
+    """This process's shard of the sum over processes of ``full``, for any placement (DTensor's redistribution)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = sharded.device_mesh
+    partial = DTensor.from_local(
+        full.contiguous(),
+        mesh,
+        [Partial("sum")] * mesh.ndim,
+        run_check=False,
+        shape=sharded.shape,
+        stride=sharded.stride(),
+    )
+    return partial.redistribute(mesh, sharded.placements).to_local()
 
 
 def local_tensor(t: Tensor) -> Tensor:

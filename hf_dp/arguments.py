@@ -269,13 +269,6 @@ class DPArgumentsMixin:
                     "accountant assumes. Use 'random', or 'group_by_length' (which only orders each Poisson batch by "
                     "length before cutting it into micro-batches)."
                 )
-        checkpointing_kwargs = self.activation_checkpointing_kwargs or {}
-        if self.activation_checkpointing and checkpointing_kwargs.get("use_reentrant", False):
-            raise ValueError(
-                "`activation_checkpointing` with `use_reentrant=True` is not supported by DPTrainer: the reentrant "
-                "recomputation runs outside the autograd graph book-keeping follows. Leave `use_reentrant` unset or "
-                "False in `activation_checkpointing_kwargs` (non-reentrant checkpointing is exact)."
-            )
         if self.torch_compile:
             raise ValueError(
                 "`torch_compile=True` is not supported by DPTrainer: the compiled graph bypasses the book-keeping "

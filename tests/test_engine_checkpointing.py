@@ -1,8 +1,9 @@
 """Activation checkpointing: inputs book-kept from the recomputation, norms and clipped sums exact (float64 oracle).
 
 The oracle runs on a copy of the model without checkpointing (checkpointing does not change the math). HF models use
-``gradient_checkpointing_enable`` / ``activation_checkpointing_enable`` (non-reentrant, the transformers default);
-plain models call ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` themselves.
+``gradient_checkpointing_enable`` / ``activation_checkpointing_enable`` (non-reentrant, the transformers default, or
+reentrant with ``use_reentrant=True``); plain models call ``torch.utils.checkpoint.checkpoint(...,
+use_reentrant=False)`` themselves. (Reentrant specifics: tests/test_engine_reentrant.py.)
 """
 
 from __future__ import annotations
@@ -37,16 +38,24 @@ def hf_checkpointing(model):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def hf_reentrant_checkpointing(model):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+
+
+ENABLE = {"non-reentrant": hf_checkpointing, "reentrant": hf_reentrant_checkpointing}
+
+
 def hf_activation_checkpointing(model):
     model.activation_checkpointing_enable()  # transformers 5: non-reentrant by default
 
 
+@pytest.mark.parametrize("kind", sorted(ENABLE))
 @pytest.mark.parametrize("style", ["all-layer", "layer-wise"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["gpt2-tied", "llama", "bert-classifier"])
-def test_hf_checkpointing_matches_oracle(float64, name, mode, style):
+def test_hf_checkpointing_matches_oracle(float64, name, mode, style, kind):
     model, batches, loss_fn = policy_case(name)
-    check_policy(model, batches, loss_fn, mode=mode, style=style, fn="abadi", checkpointing=hf_checkpointing)
+    check_policy(model, batches, loss_fn, mode=mode, style=style, fn="abadi", checkpointing=ENABLE[kind])
 
 
 @pytest.mark.parametrize(("style", "fn"), [("param-wise", "automatic"), ("groups", "abadi")])
@@ -77,14 +86,16 @@ def check_checkpointed(model, batches, loss_fn, *, mode, enable):
     clipper.remove()
 
 
+@pytest.mark.parametrize("kind", sorted(ENABLE))
 @pytest.mark.parametrize("name", ["t5", "bart-tied", "opt", "beit"])
-def test_checkpointed_layouts_and_fallbacks(float64, name):
+def test_checkpointed_layouts_and_fallbacks(float64, name, kind):
     """T5: the fallback on the attention that adds the relative bias runs inside the checkpointed block; BART:
     broadcast position embeddings; OPT: flattened [B*T, d] rows; BEiT: the fallback on each (checkpointed) layer
-    for its layer scales, whose hooks run outside the checkpoint."""
+    for its layer scales, whose hooks run outside the checkpoint (reentrant: its per-example re-run runs the layer
+    without checkpointing)."""
     factory, batches, loss_fn = MODEL_MATRIX[name]
     torch.manual_seed(0)
-    check_checkpointed(factory().eval(), batches(), loss_fn, mode="bk-mixopt", enable=hf_checkpointing)
+    check_checkpointed(factory().eval(), batches(), loss_fn, mode="bk-mixopt", enable=ENABLE[kind])
 
 
 class Block(nn.Module):
@@ -181,7 +192,8 @@ def test_inputs_come_from_the_recomputation(float64):
     clipper.remove()
 
 
-def test_dropout_inside_checkpointed_fallback_is_replayed(float64):
+@pytest.mark.parametrize("kind", sorted(ENABLE))
+def test_dropout_inside_checkpointed_fallback_is_replayed(float64, kind):
     """T5 with dropout: the fallback on the attention that adds the relative bias records its dropout masks in the
     recomputation, which draws what the forward pass drew: the same result as without checkpointing."""
     results = []
@@ -189,7 +201,7 @@ def test_dropout_inside_checkpointed_fallback_is_replayed(float64):
         torch.manual_seed(0)
         model = t5(dropout=0.2).double().train()
         if use_checkpointing:
-            hf_checkpointing(model)
+            ENABLE[kind](model)
         batch = seq2seq_batches()[0]
         clipper = BookKeepingClipper(model, max_grad_norm=0.5, mode="bk-mixopt")
         torch.manual_seed(1)
@@ -203,9 +215,10 @@ def test_dropout_inside_checkpointed_fallback_is_replayed(float64):
         torch.testing.assert_close(results[1][1][name], grad, rtol=1e-9, atol=1e-15, msg=name)
 
 
-def test_random_draws_under_an_enclosing_fallback_are_refused():
+@pytest.mark.parametrize("kind", sorted(ENABLE))
+def test_random_draws_under_an_enclosing_fallback_are_refused(kind):
     model = beit(dropout=0.2).train()
-    hf_checkpointing(model)
+    ENABLE[kind](model)
     clipper = BookKeepingClipper(model, max_grad_norm=1.0)
     with pytest.raises(UnsupportedModuleError, match="drop-path probabilities to 0"):
         clipper.backward(image_loss(model, image_batches()[0]))
@@ -213,34 +226,45 @@ def test_random_draws_under_an_enclosing_fallback_are_refused():
 
 
 def test_reentrant_checkpointing_is_refused():
-    model = gpt2().train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    clipper = BookKeepingClipper(model, max_grad_norm=1.0)
-    with pytest.raises(UnsupportedModuleError, match="use_reentrant"):
-        causal_loss(model, causal_batches()[0])
-    clipper.remove()
-    assert all(p.requires_grad for p in model.parameters())
+    """Reentrant checkpointing is exact (tests/test_engine_reentrant.py) except where a region has no graph: none of
+    its tensor inputs requires grad (torch would leave its parameters without a gradient), e.g. plain
+    ``checkpoint(block, x, use_reentrant=True)`` on the model's raw input; and a `torch.no_grad()` block around
+    trainable parameters is still refused."""
     stack = Stack().double()
     stack.forward = lambda x: stack.head(checkpoint(stack.blocks[0], x, use_reentrant=True))
+    clipper = BookKeepingClipper(stack, max_grad_norm=1.0)
+    with pytest.raises(UnsupportedModuleError, match="enable_input_require_grads"):
+        stack(torch.randn(3, 5, 4, dtype=torch.float64))
+    clipper.remove()
+    assert all(p.requires_grad for p in stack.parameters())
+
+    def no_grad_block(x):
+        with torch.no_grad():
+            x = stack.blocks[0](x)
+        return stack.head(x)
+
+    stack.forward = no_grad_block
     clipper = BookKeepingClipper(stack, max_grad_norm=1.0)
     with pytest.raises(UnsupportedModuleError, match="ran without gradients"):
         stack(torch.randn(3, 5, 4, dtype=torch.float64))
     clipper.remove()
 
 
-def test_ghost_mode_refuses_checkpointing():
+@pytest.mark.parametrize("kind", sorted(ENABLE))
+def test_ghost_mode_refuses_checkpointing(kind):
     model = gpt2().train()
-    hf_checkpointing(model)
+    ENABLE[kind](model)
     clipper = BookKeepingClipper(model, max_grad_norm=1.0, mode="ghost")
     with pytest.raises(UnsupportedModuleError, match="not supported in `ghost` mode"):
         causal_loss(model, causal_batches()[0])
     clipper.remove()
 
 
-def test_parameter_used_in_the_loss_is_refused_under_checkpointing(float64):
+@pytest.mark.parametrize("kind", sorted(ENABLE))
+def test_parameter_used_in_the_loss_is_refused_under_checkpointing(float64, kind):
     """The parameters stay out of autograd during the backward pass: the loss's graph is searched instead."""
     model = gpt2().double().train()
-    hf_checkpointing(model)
+    ENABLE[kind](model)
     clipper = BookKeepingClipper(model, max_grad_norm=1.0)
     batch = causal_batches()[0]
     clipper.backward(causal_loss(model, batch))
@@ -250,8 +274,9 @@ def test_parameter_used_in_the_loss_is_refused_under_checkpointing(float64):
     clipper.remove()
 
 
+@pytest.mark.parametrize("kind", sorted(ENABLE))
 @pytest.mark.parametrize("mode", MODES)
-def test_path_first_taken_inside_a_checkpointed_region(float64, mode):
+def test_path_first_taken_inside_a_checkpointed_region(float64, mode, kind):
     """T5's encoder mask appears only on the second batch, inside a checkpointed block: its layouts are proven again
     in the middle of the region's forward pass (the probe's own autograd work kept out of the checkpoint)."""
     from test_engine_paths import _batch
@@ -261,4 +286,4 @@ def test_path_first_taken_inside_a_checkpointed_region(float64, mode):
         _batch([6, 6, 6, 6], [3, 3, 2, 3], 6, 3, seed=0),
         _batch([6, 6, 4, 3], [3, 2, 3, 3], 6, 3, seed=1),
     ]
-    check_checkpointed(t5().eval(), batches, seq2seq_loss, mode=mode, enable=hf_checkpointing)
+    check_checkpointed(t5().eval(), batches, seq2seq_loss, mode=mode, enable=ENABLE[kind])

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from ..layers import UnsupportedModuleError
 from ..layers.grads import FactoredGrad, PerExampleGrad, instantiate, norm_sq, weighted_sum
-from .checkpointing import own_saved_tensors
+from .checkpointing import backward_keeping_grads, own_saved_tensors, rerun_without_reentrant
 from .rows import closed_form_grads, foreign_rows
 from .state import Pass, Use, grad_stamp
 
@@ -41,6 +41,8 @@ class BackwardBookkeeping:
         p = self._pass
         if p is None or p.phase is None:
             return
+        if p.recomputing:
+            self._check_reentrant_task(use)
         if p.phase == "support":
             self._check_support(use, grad)
             return
@@ -75,7 +77,8 @@ class BackwardBookkeeping:
         trainable = set(use.params) | {self._registered[q] for q in use.params if q in self._registered}
         with self._inert(), torch.no_grad():
             if entry.is_fallback:
-                grads = entry.rule.per_example_grads(entry.module, use.captured, grad, trainable)
+                with rerun_without_reentrant(entry.module, entry.name):
+                    grads = entry.rule.per_example_grads(entry.module, use.captured, grad, trainable)
             else:
                 grads = closed_form_grads(
                     entry.rule, entry.module, use.captured, grad, use.layout.outputs[0], b, trainable
@@ -120,7 +123,10 @@ class BackwardBookkeeping:
         try:
             for j in sorted({0, p.size - 1}):
                 p.support_example = j
-                torch.autograd.grad(loss[j], inputs, allow_unused=True, retain_graph=True)
+                if any(r.reentrant for r in p.regions.values()):  # reentrant checkpointing refuses autograd.grad
+                    backward_keeping_grads(loss[j], retain_graph=True)
+                else:
+                    torch.autograd.grad(loss[j], inputs, allow_unused=True, retain_graph=True)
                 self._recompute_leave()  # a checkpointed region's recomputation switched the parameters off
         finally:
             self._recompute_leave()
@@ -213,7 +219,9 @@ class BackwardBookkeeping:
             self._begin(loss, keep_all=True)
             p = self._pass
             leaves = list(self._origins.values())
-            if p.size and p.uses and leaves:
+            if p.size and p.uses and any(r.reentrant for r in p.regions.values()):
+                backward_keeping_grads(loss.sum())  # reentrant checkpointing refuses `inputs=`
+            elif p.size and p.uses and leaves:
                 torch.autograd.backward(loss.sum(), inputs=leaves)
             p.phase = None
             out = {}

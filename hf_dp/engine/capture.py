@@ -4,12 +4,16 @@ Outputs the engine needs a gradient for get one: a broadcast ``[1, ...]`` output
 output without a graph (ghost differentiation switched its parameters off and its inputs need no gradient) gets
 ``+ 0`` from a zero scalar that requires grad. Inside a region of activation checkpointing (:mod:`.checkpointing`)
 the use is recorded in the forward pass without its inputs, which are book-kept when the backward pass recomputes
-the region; the recomputed outputs get the same treatment (so the recomputation saves the same tensors) and no hook.
+the region; the recomputed outputs get the same treatment (so the recomputation saves the same tensors), and the
+output hook if the region is reentrant (its forward ran without gradients: the hook goes on the recomputed output,
+whose gradient the region's nested backward pass computes).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +23,15 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..layers import Captured, Layout, UnsupportedModuleError
 from ..layers.base import autocast_state
-from .checkpointing import CHECKPOINTING_SUPPORTED, checkpoint_region, in_backward
+from .checkpointing import (
+    CHECKPOINTING_SUPPORTED,
+    REENTRANT_SUPPORTED,
+    captures_grad,
+    checkpoint_region,
+    graph_task_id,
+    in_backward,
+    reentrant_forward,
+)
 from .coverage import HookedModule
 from .planner import CallLayout
 from .probe import flatten_call, flatten_output
@@ -33,12 +45,15 @@ __all__ = ["CallCapture", "Region"]
 class Region:
     """The hooked calls of one checkpointed region in its forward pass (``None`` for a call that made no use), and
     where its recomputation is. ``outer_random``: a module covered by the fallback around the region was recording
-    random draws when the region started (its recomputation would draw them another way)."""
+    random draws when the region started (its recomputation would draw them another way). A reentrant region's
+    ``frame`` is its autograd node; ``outer_task`` is the graph task of the backward pass that recomputes it."""
 
     frame: Any
     records: list[tuple[HookedModule, Use | None]] = field(default_factory=list)
     cursor: int = 0
     outer_random: bool = False
+    reentrant: bool = False
+    outer_task: int | None = None
 
 
 class CallCapture:
@@ -50,10 +65,19 @@ class CallCapture:
             return None
         region = checkpoint_region() if CHECKPOINTING_SUPPORTED else None
         if not self._capturing:
-            if region is not None and region[0] == "recompute" and p.phase is not None:
+            if p.phase is None:
+                return None
+            if region is not None and region[0] == "recompute":
                 return self._on_recompute(entry, module, args, kwargs, output, region[1])
+            top = self._reentrant_top()
+            if top is not None and torch.is_grad_enabled():  # the recomputation of that reentrant region
+                return self._on_recompute(entry, module, args, kwargs, output, top.frame)
             return None
-        frame = self._forward_region(entry, region)
+        grad_enabled = torch.is_grad_enabled()
+        if not grad_enabled:
+            region = self._reentrant_region(entry.name, region)
+        frame = self._forward_region(entry.name, region)
+        reentrant = region is not None and region[0] == "reentrant"
         random = self._pop_random_frame() if entry.is_fallback and self._record_random else []
         if frame is not None:
             random = []  # recorded again in the recomputation, which draws the same numbers
@@ -70,20 +94,22 @@ class CallCapture:
             if frame is not None:
                 self._region(frame).records.append((entry, None))
             return None
-        if not torch.is_grad_enabled():
+        if not grad_enabled and not reentrant:
             raise UnsupportedModuleError(
                 f"Module `{entry.name}` ({type(module).__name__}) ran without gradients inside the model's forward "
-                "pass: reentrant activation checkpointing (`use_reentrant=True`, which backpropagates a second graph "
-                "built in the backward pass) or a `torch.no_grad()` block around trainable parameters. Use "
-                "non-reentrant checkpointing: `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-                '{"use_reentrant": False})` (the transformers default) or `torch.utils.checkpoint.checkpoint(..., '
-                "use_reentrant=False)`; or freeze the parameters used without gradients."
+                "pass (a `torch.no_grad()` block around trainable parameters, or a checkpoint function hf_dp does not "
+                "know): its parameters would get no gradient. Freeze the parameters used without gradients, or use "
+                "`torch.utils.checkpoint.checkpoint` (reentrant or not) for activation checkpointing."
             )
         ordinal = p.ordinal.get(id(module), 0)
         out_leaves = flatten_output(output)
         in_leaves = flatten_call(args, kwargs) if entry.is_fallback else None
         layout = self._layout_for(entry, module, ordinal, in_leaves, out_leaves)
-        if entry.is_fallback:
+        if reentrant:
+            use = Use(entry, params, None, layout, region=frame, reentrant=True)
+            p.uses.append(use)
+            new_output = self._broadcast_outputs(output, layout, entry.is_fallback)
+        elif entry.is_fallback:
             use, new_output = self._capture_fallback(entry, params, module, args, kwargs, output, layout, random, frame)
         else:
             use, new_output = self._capture_closed_form(entry, params, module, args, kwargs, output, layout, frame)
@@ -91,14 +117,14 @@ class CallCapture:
             self._region(frame).records.append((entry, use))
         return new_output
 
-    def _forward_region(self, entry: HookedModule, region) -> Any:
+    def _forward_region(self, name: str, region) -> Any:
         """The checkpoint frame of a call in the forward pass (``None`` outside checkpointing), or raise."""
         if region is None:
             return None
         kind, frame = region
-        if kind != "forward" or in_backward():
+        if kind == "recompute" or in_backward():
             raise UnsupportedModuleError(
-                f"Module `{entry.name}` runs in a checkpointed region nested in the recomputation of another: nested "
+                f"Module `{name}` runs in a checkpointed region nested in the recomputation of another: nested "
                 "activation checkpointing is not supported. Checkpoint each layer once."
             )
         if self.mode == "ghost":
@@ -117,15 +143,61 @@ class CallCapture:
             region = regions[id(frame)] = Region(frame, outer_random=outer)
         return region
 
-    def _region_start(self) -> None:
+    def _region_start(self, module: nn.Module) -> None:
         """A hooked module starts in the forward pass: note the checkpointed region it is in (first call first)."""
         region = checkpoint_region() if CHECKPOINTING_SUPPORTED else None
+        if not torch.is_grad_enabled():
+            region = self._reentrant_region(module, region)
         if region is not None and region[0] == "forward":
             self._region(region[1])
+
+    def _reentrant_region(self, module: nn.Module | str, region) -> tuple[str, Any] | None:
+        """``("reentrant", node)`` for a call of ``module`` (or its name) without gradients inside the forward of a
+        reentrant checkpoint region (``region`` as it is otherwise); the first call of a region checks the region
+        and hooks its node."""
+        call = reentrant_forward() if REENTRANT_SUPPORTED else None
+        if call is None:
+            return region
+        known = self._pass.regions.get(id(call.node))
+        if known is not None and known.frame is call.node:
+            return ("reentrant", call.node)
+        name = module if isinstance(module, str) else self._names()[0].get(id(module), type(module).__name__)
+        if region is not None or in_backward() or reentrant_forward(full=True).enclosed:
+            raise UnsupportedModuleError(
+                f"Module `{name}` runs in a region of reentrant activation checkpointing nested in another "
+                "checkpointed region: nested activation checkpointing is not supported. Checkpoint each layer once."
+            )
+        self._forward_region(name, ("reentrant", call.node))  # ghost mode refuses here
+        if not any(isinstance(x, Tensor) and x.requires_grad for x in call.inputs):
+            raise UnsupportedModuleError(
+                f"Module `{name}` runs in a region of reentrant activation checkpointing (`use_reentrant=True`) none "
+                "of whose tensor inputs requires grad: torch backpropagates nothing through such a region, so its "
+                "trainable parameters would get no gradient (e.g. frozen input embeddings before trainable layers). "
+                "Call `model.enable_input_require_grads()` before training, or use non-reentrant checkpointing: "
+                '`gradient_checkpointing_kwargs={"use_reentrant": False}` (the transformers default).'
+            )
+        if captures_grad(call.function):
+            raise UnsupportedModuleError(
+                f"Module `{name}` runs in a region of reentrant activation checkpointing (`use_reentrant=True`) whose "
+                "function holds a tensor that requires grad other than as a positional input (a keyword argument, "
+                "e.g. `encoder_hidden_states`, or a closure): the region's second backward pass would backpropagate "
+                "into the rest of the graph, so book-keeping would see part of an output gradient. Pass such tensors "
+                'positionally, or use non-reentrant checkpointing: `gradient_checkpointing_kwargs={"use_reentrant": '
+                "False}` (the transformers default)."
+            )
+        region = self._region(call.node)
+        region.reentrant = True
+        ref = weakref.ref(region)
+        call.node.register_prehook(functools.partial(self._reentrant_enter, ref))
+        call.node.register_hook(functools.partial(self._reentrant_leave, ref))
+        return ("reentrant", call.node)
 
     def _on_random_draw(self) -> None:
         """The recorder replaced or kept a random draw: refuse one it could not replay in a recomputation."""
         region = checkpoint_region() if CHECKPOINTING_SUPPORTED else None
+        call = getattr(self._recorder, "reentrant", None)  # recorded in the forward of a reentrant region
+        if region is None and call is not None and self._capturing:
+            region = ("forward", call.node)
         if region is None or region[0] != "forward" or self._pass is None:
             return
         known = self._pass.regions.get(id(region[1]))
@@ -150,6 +222,29 @@ class CallCapture:
             # parameters are switched off); a zero scalar that requires grad gives it one at ~no cost.
             output = new_output = output + self._origin(output)
         return output, new_output
+
+    def _broadcast_outputs(self, output, layout: CallLayout, fallback: bool) -> Any:
+        """The output to return instead of the module's in the forward of a reentrant region (``None``: keep it):
+        broadcast ``[1, ...]`` outputs expanded as the recomputation will (no graph to give them here)."""
+        if not fallback:
+            lay = layout.outputs[0]
+            return output.expand(self._pass.size * lay.repeat, *output.shape[1:]) if lay.broadcast else None
+        leaves, spec = tree_flatten(output)
+        changed = False
+        for j, lay in enumerate(layout.outputs):
+            if lay is not None and lay.broadcast:
+                leaves[j], changed = leaves[j].expand(self._pass.size * lay.repeat, *leaves[j].shape[1:]), True
+        return tree_unflatten(leaves, spec) if changed else None
+
+    def _hook_outputs(self, use: Use, positions: list[int] | None, tensors: list[Tensor]) -> None:
+        """The output hook of ``use`` on its hooked output tensors (``positions``: among the flattened outputs of a
+        fallback call; ``None`` for the one output of a closed-form call)."""
+        if len(tensors) == 1:
+            tensors[0].register_hook(functools.partial(self._on_output_grad, use, positions))
+        elif tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, functools.partial(self._on_output_grads, use, positions), mode="all"
+            )
 
     def _fallback_outputs(self, output, layout: CallLayout) -> tuple[list[int], list[Tensor], Any]:
         """Positions and tensors to hook among the flattened outputs, and the output to return (``None``: keep)."""
@@ -197,7 +292,7 @@ class CallCapture:
         hooked, new_output = self._closed_form_output(output, layout)
         use = Use(entry, params, captured, layout, region=frame)
         self._pass.uses.append(use)
-        hooked.register_hook(functools.partial(self._on_output_grad, use, None))
+        self._hook_outputs(use, None, [hooked])
         return use, new_output
 
     def _capture_fallback(self, entry, params, module, args, kwargs, output, layout: CallLayout, random, frame):
@@ -205,12 +300,7 @@ class CallCapture:
         captured = None if frame is not None else self._fallback_inputs(args, kwargs, layout, random)
         use = Use(entry, params, captured, layout, region=frame)
         self._pass.uses.append(use)
-        if len(tensors) == 1:
-            tensors[0].register_hook(functools.partial(self._on_output_grad, use, positions))
-        elif tensors:
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, functools.partial(self._on_output_grads, use, positions), mode="all"
-            )
+        self._hook_outputs(use, positions, tensors)
         return use, new_output
 
     # ------------------------------------------------------------------ recomputation
@@ -231,9 +321,72 @@ class CallCapture:
 
     def _recompute_leave(self) -> None:
         """Parameters back in autograd after the backward pass (``finish()``), or when a pass was abandoned."""
+        if self._pass is not None:
+            self._pass.recomputing.clear()
         if self._recomputing:
             self._recomputing = False
             self._set_trainable_requires_grad(True)
+
+    def _reentrant_top(self) -> Region | None:
+        """The reentrant region this thread is recomputing (autograd runs the nodes of each device on its own
+        thread), innermost last."""
+        stack = self._pass.recomputing.get(threading.get_ident()) if self._pass is not None else None
+        return stack[-1] if stack else None
+
+    def _reentrant_enter(self, ref: weakref.ref, grad_outputs):
+        """Pre-hook of a reentrant region's node, just before it recomputes the region: parameters out of autograd
+        (so that its nested backward pass writes no ``p.grad``, even for a graph no ``prepare()`` covers), and the
+        region on top of the regions being recomputed."""
+        if self._root_handles and not self._internal and not self._recomputing:
+            self._recomputing = True  # until finish() or the next forward pass
+            self._set_trainable_requires_grad(False)
+        region, p = ref(), self._pass
+        if region is None or p is None or p.phase is None or p.regions.get(id(region.frame)) is not region:
+            return None
+        task = graph_task_id()
+        if any(stack[0].outer_task != task for stack in p.recomputing.values() if stack):
+            raise UnsupportedModuleError(
+                "A region of reentrant activation checkpointing is recomputed inside the second backward pass of "
+                "another (nested checkpointing, or a tensor of one region captured by another): not supported. "
+                "Checkpoint each layer once, or use non-reentrant checkpointing."
+            )
+        region.cursor, region.outer_task = 0, task
+        p.recomputing.setdefault(threading.get_ident(), []).append(region)
+        return None
+
+    def _reentrant_leave(self, ref: weakref.ref, grad_inputs, grad_outputs):
+        """Hook of a reentrant region's node, after its nested backward pass: every hooked call recorded in the
+        forward must have been recomputed (a call missing there would get no output hook: a silent zero)."""
+        region, p = ref(), self._pass
+        stack = [] if p is None else p.recomputing.get(threading.get_ident(), [])
+        if region is None or not any(r is region for r in stack):
+            return None
+        stack[:] = [r for r in stack if r is not region]
+        if not stack:
+            del p.recomputing[threading.get_ident()]
+        if region.cursor != len(region.records):
+            missing = [entry.name for entry, _ in region.records[region.cursor :]]
+            raise UnsupportedModuleError(
+                f"The recomputation of a reentrant checkpointed region did not call {missing[:3]}, which its forward "
+                "pass called: the region is not deterministic, and their per-example gradients would be missing."
+            )
+        return None
+
+    def _check_reentrant_task(self, use: Use) -> None:
+        """While a reentrant region is recomputed, the output hook of a call outside it must fire in the backward
+        pass that recomputes the region, not in the region's nested one (which reached the rest of the graph through
+        a tensor the region captured, and carries part of the output gradient only)."""
+        p = self._pass
+        outer = next((stack[0].outer_task for stack in p.recomputing.values() if stack), None)
+        if use.reentrant or outer is None or graph_task_id() == outer:
+            return
+        raise UnsupportedModuleError(
+            f"The output gradient of `{use.entry.name}` reached it through the second backward pass of a region of "
+            "reentrant activation checkpointing: the region's function holds a tensor that requires grad other than "
+            "as a positional input (a keyword argument or a closure), and book-keeping would see part of that "
+            "gradient only. Pass such tensors positionally, or use non-reentrant checkpointing: "
+            '`gradient_checkpointing_kwargs={"use_reentrant": False}` (the transformers default).'
+        )
 
     def _on_recompute(self, entry: HookedModule, module, args, kwargs, output, frame):
         p = self._pass
@@ -244,6 +397,11 @@ class CallCapture:
                 "pass (a region entered outside the model's forward, or nested checkpointing)."
             )
         if region.cursor >= len(region.records):
+            if region.reentrant:  # its node's pre-hook starts each recomputation at 0
+                raise UnsupportedModuleError(
+                    f"The recomputation of a reentrant checkpointed region called `{entry.name}` after every hooked "
+                    "call its forward pass made: the region is not deterministic."
+                )
             region.cursor = 0  # a new recomputation of the region (another backward pass)
         recorded, use = region.records[region.cursor]
         region.cursor += 1
@@ -260,9 +418,13 @@ class CallCapture:
         if output is None:
             pass  # checkpoint's early stop ended the recomputation inside this call: its inputs are all there is
         elif entry.is_fallback:
-            _, _, new_output = self._fallback_outputs(output, use.layout)
+            positions, tensors, new_output = self._fallback_outputs(output, use.layout)
+            if region.reentrant:
+                self._hook_outputs(use, positions, tensors)
         else:
-            _, new_output = self._closed_form_output(output, use.layout)
+            hooked, new_output = self._closed_form_output(output, use.layout)
+            if region.reentrant:
+                self._hook_outputs(use, None, [hooked])
         if p.phase == "record" and not use.processed:
             if entry.is_fallback:
                 use.captured = self._fallback_inputs(args, kwargs, use.layout, random)

@@ -3,7 +3,7 @@
 On the first forward pass after a (re)plan the root pre-hook has the plan proven (:mod:`.proof`), installs the hooks,
 and verifies the real forward pass (:mod:`.verify`). Every forward pass switches ``requires_grad`` off (ghost
 differentiation) and counts module calls; each hooked call is book-kept by :mod:`.capture`. Activation checkpointing
-is checked here (reentrant refused) and followed by :mod:`.capture` (:mod:`.checkpointing`).
+(reentrant or not) is checked here and followed by :mod:`.capture` (:mod:`.checkpointing`).
 """
 
 from __future__ import annotations
@@ -15,16 +15,19 @@ from collections import defaultdict
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from ..layers import UnsupportedModuleError
 from ..layers.grads import compute_dtype
-from ..layers.replay import RandomRecorder
+from ..layers.replay import RandomRecorder, draws_random_numbers
 from .batch import root_batch
 from .checkpointing import (
     CHECKPOINTING_SUPPORTED,
+    REENTRANT_SUPPORTED,
     checkpoint_region,
     reentrant_checkpointing,
+    reentrant_forward,
 )
 from .coverage import plan_coverage, trainable_parameters
 from .planner import Plan
@@ -133,6 +136,7 @@ class ForwardHooks:
             self._prepared, self._pass = False, None
         self._shadow_depth = defaultdict(int)
         if not torch.is_grad_enabled():
+            self._check_not_in_reentrant_region()
             return None
         if self._replan_if_changed():
             self._pass = None
@@ -161,6 +165,9 @@ class ForwardHooks:
             names, param_names = self._names()
             self._verification = Verification(self.model, self._plan.hooked, list(self._trainable), names, param_names)
             self._verification.start()
+            if REENTRANT_SUPPORTED and self._verification.mode is not None:
+                # uses in the forward of a reentrant region run without gradients: verify them too
+                self._verification.mode.grad_mode_only = _GradModeOnly(self)
         # dropout in a module the fallback re-runs per example is recorded, to be replayed in the re-run
         self._record_random = self.model.training and bool(self._fallback_modules)
         self._pass.record_random = self._record_random
@@ -210,11 +217,12 @@ class ForwardHooks:
         if self._internal or p is None:
             return None
         if not self._capturing:
-            if p.phase is not None and _recomputing():
+            reentrant = self._reentrant_top() is not None and torch.is_grad_enabled()
+            if p.phase is not None and (_recomputing() or reentrant):
                 self._recompute_enter(module)
             return None
         if CHECKPOINTING_SUPPORTED:
-            self._region_start()
+            self._region_start(module)
         count = p.counts.get(id(module), 0)
         p.counts[id(module)] = count + 1
         p.ordinal[id(module)] = count
@@ -226,7 +234,7 @@ class ForwardHooks:
 
     def _push_random_frame(self) -> None:
         if self._recorder is None:
-            self._recorder = RandomRecorder(on_draw=self._on_random_draw if CHECKPOINTING_SUPPORTED else None)
+            self._recorder = _Recorder(on_draw=self._on_random_draw if CHECKPOINTING_SUPPORTED else None)
             self._recorder.__enter__()
         self._recorder.frames.append([])
 
@@ -240,13 +248,23 @@ class ForwardHooks:
                 "`gradient_checkpointing=False`)."
             )
         reentrant = reentrant_checkpointing(self.model) if on else []
-        if reentrant:
+        if reentrant and not REENTRANT_SUPPORTED:
             raise UnsupportedModuleError(
                 f"Activation checkpointing of {reentrant[:3]}{' ...' if len(reentrant) > 3 else ''} is reentrant "
-                "(`use_reentrant=True`, or torch's default): it runs the layers without gradients and backpropagates "
-                "a second graph built in the backward pass, which book-keeping cannot follow. Enable it with "
-                '`model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})` (or '
-                "`gradient_checkpointing_kwargs` in the training arguments)."
+                "(`use_reentrant=True`, or torch's default), and this version of torch does not let hf_dp follow "
+                "its recomputation. Enable it with `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                '{"use_reentrant": False})` (or `gradient_checkpointing_kwargs` in the training arguments).'
+            )
+
+    def _check_not_in_reentrant_region(self) -> None:
+        """The root model itself runs in the forward of a reentrant checkpoint region (without gradients): refused
+        if the region has a graph (its recomputation would be the model's only forward pass with gradients)."""
+        call = reentrant_forward() if REENTRANT_SUPPORTED else None
+        if call is not None and any(isinstance(x, Tensor) and x.requires_grad for x in call.inputs):
+            raise UnsupportedModuleError(
+                "The model runs inside reentrant activation checkpointing (`torch.utils.checkpoint.checkpoint(model, "
+                "..., use_reentrant=True)`): hf_dp book-keeps the model's own forward pass, which then runs without "
+                "gradients. Checkpoint the model's layers instead, or pass `use_reentrant=False`."
             )
 
     def _pop_random_frame(self) -> list:
@@ -264,6 +282,41 @@ class ForwardHooks:
         if key not in self._origins:
             self._origins[key] = torch.zeros((), device=like.device, dtype=like.dtype, requires_grad=True)
         return self._origins[key]
+
+
+class _Recorder(RandomRecorder):
+    """The forward pass's recorder of random draws in fallback modules. :class:`RandomRecorder` stands aside without
+    gradients; in the forward of a reentrant region (which runs without gradients) it records as with gradients,
+    on detached tensors, so that the region draws as its recomputation will, and the engine sees each draw
+    (:attr:`reentrant`: the region of the draw being recorded)."""
+
+    reentrant = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.frames or torch.is_grad_enabled() or not draws_random_numbers(func, args, kwargs):
+            return super().__torch_function__(func, types, args, kwargs)
+        call = reentrant_forward() if REENTRANT_SUPPORTED else None
+        if call is None:
+            return super().__torch_function__(func, types, args, kwargs)
+        args, kwargs = tree_map_only(Tensor, Tensor.detach, (args, kwargs))
+        self.reentrant = call
+        try:
+            with torch.enable_grad():
+                return super().__torch_function__(func, types, args, kwargs)
+        finally:
+            self.reentrant = None
+
+
+class _GradModeOnly:
+    """``grad_mode_only`` of the verification's use recorder: false (check every use) inside the forward of a
+    reentrant checkpoint region, where the uses run without gradients (and the engine's own work stands aside)."""
+
+    def __init__(self, clipper: ForwardHooks) -> None:
+        self.clipper = clipper
+
+    def __bool__(self) -> bool:
+        return torch.is_grad_enabled() or self.clipper._internal > 0 or reentrant_forward() is None
 
 
 def _recomputing() -> bool:

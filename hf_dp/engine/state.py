@@ -47,6 +47,7 @@ class Use:
     layout: CallLayout
     groups: tuple[int, ...] = ()  # the clipping groups of its parameters (set by `prepare`)
     region: Any = None  # the checkpoint frame of a call inside activation checkpointing (inputs come in recomputation)
+    reentrant: bool = False  # its region is reentrant: ``region`` is the region's node, its output hook comes with it
     pending_grad: Any = None  # an output gradient that arrived before the recomputation
     processed: bool = False  # its per-example gradients are book-kept
 
@@ -75,6 +76,7 @@ class Pass:
     bypassed: set = field(default_factory=set)  # parameters whose p.grad autograd wrote before we did
     grad_events: int = 0
     regions: dict = field(default_factory=dict)  # id(checkpoint frame) -> capture.Region
+    recomputing: dict = field(default_factory=dict)  # thread -> reentrant regions it recomputes (capture.Region)
     record_random: bool = False  # random draws of fallback modules recorded in the forward pass (and recomputation)
     grads_before: dict | None = None  # ghost mode: p.grad before the first backward; bk: (id, version) of p.grad
     complete: bool = False  # the forward pass returned

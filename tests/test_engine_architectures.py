@@ -170,11 +170,12 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
         ],
     ),
     (
-        "Activation checkpointing, non-reentrant (transformers' `gradient_checkpointing_enable` / "
-        "`activation_checkpointing_enable`, `torch.utils.checkpoint(..., use_reentrant=False)`)",
+        "Activation checkpointing, reentrant or not (transformers' `gradient_checkpointing_enable` / "
+        "`activation_checkpointing_enable`, `torch.utils.checkpoint(..., use_reentrant=False or True)`)",
         "exact: bk, bk-mixopt, per-sample, every clipping style",
         "no input kept in the forward pass: each checkpointed call's inputs are book-kept from the recomputation in "
-        "the backward pass (parameters out of autograd there too)",
+        "the backward pass (parameters out of autograd there too); reentrant: the recomputed outputs carry the output "
+        "hooks, fed by the region's nested backward",
         [
             "test_engine_checkpointing::test_hf_checkpointing_matches_oracle",
             "test_engine_checkpointing::test_checkpointed_layouts_and_fallbacks",
@@ -182,6 +183,19 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
             "test_engine_checkpointing::test_whole_model_checkpointed",
             "test_engine_checkpointing::test_dropout_inside_checkpointed_fallback_is_replayed",
             "test_engine_checkpointing::test_inputs_come_from_the_recomputation",
+            "test_engine_reentrant::test_plain_torch_reentrant_checkpoint_per_block",
+            "test_engine_reentrant::test_inputs_and_output_hooks_come_from_the_recomputation",
+            "test_engine_reentrant::test_trainer_with_reentrant_checkpointing_is_exact",
+        ],
+    ),
+    (
+        "FSDP2 (`fsdp=True`, `fsdp_config={\"version\": 2}`: torch's `fully_shard` through accelerate)",
+        "exact: bk, bk-mixopt, per-sample, every clipping style (2 gloo processes against 1)",
+        "the clipper runs on the unsharded parameters FSDP2 swaps in; each process's clipped sums are "
+        "reduce-scattered into the shards group by group; noise per shard, once per coordinate",
+        [
+            "test_fsdp::test_engine_sharded_clipped_sums_match_one_process",
+            "test_fsdp::TestFSDP2",
         ],
     ),
     # refused
@@ -198,14 +212,20 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
         ["layers.test_embedding::test_unsupported_embedding_options_raise"],
     ),
     (
-        "Reentrant activation checkpointing (`use_reentrant=True`, torch's default); checkpointing in ghost mode; "
+        "Reentrant checkpointing of a region with no input that requires grad, with a tensor that requires grad "
+        "passed by keyword or held in a closure, nested, or around the whole model; checkpointing in ghost mode; "
         "random draws in a checkpointed region inside a fallback module hooked outside it (BEiT with stochastic "
         "depth)",
-        "refused at the first forward",
-        "reentrant: a second graph built in the backward pass; ghost: a second backward without book-keeping; "
-        "BEiT: the recomputation would draw differently from the replay",
+        "refused at the first forward (or in the backward pass, before anything is added)",
+        "reentrant: torch gives such a region's parameters no gradient, or its nested backward would run part of the "
+        "rest of the graph (call `model.enable_input_require_grads()`, pass tensors positionally); ghost: a second "
+        "backward without book-keeping; BEiT: the recomputation would draw differently from the replay",
         [
             "test_engine_checkpointing::test_reentrant_checkpointing_is_refused",
+            "test_engine_reentrant::test_keyword_tensor_that_requires_grad_is_refused",
+            "test_engine_reentrant::test_hidden_captured_tensor_is_refused_in_the_backward_pass",
+            "test_engine_reentrant::test_nested_reentrant_regions_are_refused",
+            "test_engine_reentrant::test_whole_model_inside_reentrant_checkpointing_is_refused",
             "test_engine_checkpointing::test_ghost_mode_refuses_checkpointing",
             "test_engine_checkpointing::test_random_draws_under_an_enclosing_fallback_are_refused",
         ],

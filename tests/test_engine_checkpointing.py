@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hf_dp import BookKeepingClipper, UnsupportedModuleError
 
-MODES = ["bk", "bk-mixopt"]
+MODES = ["bk", "bk-mixopt", "per-sample"]
 
 
 def hf_checkpointing(model):

@@ -411,7 +411,6 @@ class TestBadInput:
             ({"per_sample_max_grad_norm": 0.0}, "per_sample_max_grad_norm"),
             ({"accountant": "moments"}, "accountant"),
             ({"clipping_mode": "ghost"}, "ghost"),
-            ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}, "reentrant"),
             ({"accountant": "gdp"}, "estimate"),
             ({"torch_compile": True}, "torch_compile"),
             ({"neftune_noise_alpha": 5.0}, "NEFTune"),

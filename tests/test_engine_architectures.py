@@ -189,7 +189,7 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
         ],
     ),
     (
-        "FSDP2 (`fsdp=True`, `fsdp_config={\"version\": 2}`: torch's `fully_shard` through accelerate)",
+        'FSDP2 (`fsdp=True`, `fsdp_config={"version": 2}`: torch\'s `fully_shard` through accelerate)',
         "exact: bk, bk-mixopt, per-sample, every clipping style (2 gloo processes against 1)",
         "the clipper runs on the unsharded parameters FSDP2 swaps in; each process's clipped sums are "
         "reduce-scattered into the shards group by group; noise per shard, once per coordinate",

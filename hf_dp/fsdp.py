@@ -7,10 +7,11 @@ weight gradient (ghost differentiation), so FSDP's own reduce-scatter has nothin
 * the clipper is built while every FSDP group is unsharded, on the unsharded parameters (FSDP2 keeps one unsharded
   parameter object per parameter after its first all-gather), with the sharded parameters as their registered twins;
 * the clipped sum of each parameter over this rank's examples (full size) is handed to :meth:`FSDP2Clipping.sink`;
-  once every trainable parameter of an FSDP group has its sum, the group's sums are reduce-scattered into its sharded
-  gradients (at most one group's full-size sums are held at a time). Every rank makes the same collectives in the same
-  order (the order of the backward pass, as FSDP's own reduce-scatters; checked), a rank whose micro-batch is empty
-  runs a placeholder with loss weight 0 (DPTrainer) and so reduce-scatters zeros;
+  once every trainable parameter of an FSDP group has its sum, one flat reduce-scatter of the group starts
+  (asynchronously, a few groups at a time, so that only their full-size sums are held), and after ``finish()``
+  :meth:`FSDP2Clipping.flush` adds the shards to the sharded gradients. Every rank makes the same collectives in the
+  same order (the order of the backward pass, as FSDP's own reduce-scatters; checked before anything is added); a
+  rank whose micro-batch is empty runs a placeholder with loss weight 0 (DPTrainer) and so reduce-scatters zeros;
 * a micro-batch in which the engine runs passes of its own (the proof of a plan, the support check, the self-check)
   runs with every group unsharded and resharding off (:meth:`FSDP2Clipping.collective_free`), so that those passes,
   which depend on this rank's examples, make no collective; all ranks enter it together (an all-reduced flag);
@@ -65,6 +66,9 @@ class FSDP2Clipping:
         ValueError: CPU offloading.
     """
 
+    #: Flat reduce-scatters running at once (each holds its group's full-size sums until it completes).
+    MAX_IN_FLIGHT = 2
+
     def __init__(self, model: nn.Module, *, bucketed: bool = True) -> None:
         self.model = model
         self.bucketed = bucketed
@@ -85,6 +89,9 @@ class FSDP2Clipping:
         self._unit_of: dict[int, int] = {}  # id(unsharded trainable parameter) -> index of its FSDP group in _units
         self._units: list[list] = []  # the trainable FSDPParams of each FSDP group that has any
         self._pending: list[int] = []  # per group: trainable parameters whose clipped sum has not arrived
+        self._in_flight: list[tuple] = []  # (work, input, output, FSDPParams, layouts) of running reduce-scatters
+        self._done: list[tuple] = []  # (FSDPParams, this process's shards) waiting for flush()
+        self._order: list[int] = []  # groups in the order their reduce-scatters started
 
     # ------------------------------------------------------------------ state of the groups
     def unshard_all(self) -> None:
@@ -147,8 +154,8 @@ class FSDP2Clipping:
     # ------------------------------------------------------------------ gradients
     def sink(self, param: nn.Parameter, clipped_sum: Tensor) -> None:
         """The clipper's ``grad_sink``: keep this process's clipped sum of ``param``; once every trainable parameter of
-        its FSDP group has one, reduce-scatter them into the group's sharded gradients (so that at most one group's
-        full-size sums are held at a time)."""
+        its FSDP group has one, start reduce-scattering the group (so that the full-size sums of only a few groups
+        are held at a time); :meth:`flush` adds the shards to the sharded gradients."""
         unit = self._unit_of.get(id(param))
         if unit is None:
             raise RuntimeError(
@@ -162,52 +169,99 @@ class FSDP2Clipping:
             self._reduce_unit(unit)
 
     def flush(self) -> None:
-        """After ``finish()``: every trainable parameter's clipped sum was reduce-scattered (else RuntimeError)."""
-        if any(self._pending) or self._stash:
-            raise RuntimeError(
-                "hf_dp: a micro-batch ended before every trainable parameter's clipped sum reached its shard."
-            )
+        """After ``finish()``: wait for the reduce-scatters, check that every process reduce-scattered the same groups
+        in the same order, and add the shards to the sharded gradients (RuntimeError, with nothing added, if a
+        clipped sum is missing or the order differs)."""
+        while self._in_flight:
+            self._complete_oldest()
+        done, order = self._done, self._order
+        complete = not (any(self._pending) or self._stash)
+        self._done, self._order, self._stash = [], [], {}
         self._pending = [len(unit) for unit in self._units]
+        device = self._units[0][0].sharded_param.to_local().device if self._units else "cpu"
+        _check_same_order(order, complete=complete, device=device)
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            for fsdp_params, shards in done:
+                for fp, local in zip(fsdp_params, shards, strict=True):
+                    sharded = fp.sharded_param
+                    if sharded.grad is None:
+                        sharded.grad = DTensor.from_local(
+                            local.clone(),
+                            sharded.device_mesh,
+                            sharded.placements,
+                            run_check=False,
+                            shape=sharded.shape,
+                            stride=sharded.stride(),
+                        )
+                    else:
+                        sharded.grad.to_local().add_(local)
 
     @torch.no_grad()
     def _reduce_unit(self, unit: int) -> None:
-        """Reduce-scatter the clipped sums of FSDP group ``unit`` into its sharded gradients. The groups complete in
-        the order of the backward pass, which FSDP itself requires to be the same on every process; the index of the
-        group is compared across processes first, so that a mismatch raises instead of summing different tensors."""
+        """Start reduce-scattering the clipped sums of FSDP group ``unit``. The groups complete in the order of the
+        backward pass, which FSDP itself requires to be the same on every process (:meth:`flush` checks it before
+        adding anything). The flat reduce-scatter runs asynchronously, at most ``MAX_IN_FLIGHT`` groups at a time
+        (each holds its full-size input until it completes)."""
         import torch.distributed as dist
-        from torch.distributed.tensor import DTensor
 
         fsdp_params = self._units[unit]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            device = fsdp_params[0].sharded_param.to_local().device
-            check = torch.tensor([unit, -unit], device=device)
-            dist.all_reduce(check, op=dist.ReduceOp.MAX)
-            if check.tolist() != [unit, -unit]:
-                raise RuntimeError(
-                    "hf_dp: the processes completed different FSDP groups at the same point of the backward pass "
-                    f"(this one: group {unit}); their clipped sums cannot be reduce-scattered together."
-                )
+        self._order.append(unit)
         fulls = [self._stash.pop(id(fp._unsharded_param)).to(fp.sharded_param.dtype) for fp in fsdp_params]
         if self.bucketed and _flat_shardable(fsdp_params):
-            locals_ = _flat_reduce_scatter(fsdp_params, fulls)
+            mesh = fsdp_params[0].sharded_param.device_mesh
+            flat, layouts = _flat_chunks(fulls, mesh.size())
+            del fulls
+            out = flat.new_empty(flat.shape[1])
+            work = dist.reduce_scatter_tensor(out, flat.reshape(-1), group=mesh.get_group(), async_op=True)
+            self._in_flight.append((work, flat, out, fsdp_params, layouts))
+            while len(self._in_flight) > self.MAX_IN_FLIGHT:
+                self._complete_oldest()
         else:
-            locals_ = [
+            shards = [
                 _dtensor_reduce_scatter(fp.sharded_param, full) for fp, full in zip(fsdp_params, fulls, strict=True)
             ]
-        del fulls
-        for fp, local in zip(fsdp_params, locals_, strict=True):
-            sharded = fp.sharded_param
-            if sharded.grad is None:
-                sharded.grad = DTensor.from_local(
-                    local.clone(),
-                    sharded.device_mesh,
-                    sharded.placements,
-                    run_check=False,
-                    shape=sharded.shape,
-                    stride=sharded.stride(),
-                )
-            else:
-                sharded.grad.to_local().add_(local)
+            self._done.append((fsdp_params, shards))
+
+    def _complete_oldest(self) -> None:
+        work, flat, out, fsdp_params, layouts = self._in_flight.pop(0)
+        work.wait()
+        del flat
+        shards, offset = [], 0
+        for fp, (rows, rest) in zip(fsdp_params, layouts, strict=True):
+            numel = rows * math.prod(rest)
+            local_rows = fp.sharded_param.to_local().shape[0]
+            shards.append(out[offset : offset + numel].view(rows, *rest)[:local_rows])
+            offset += numel
+        self._done.append((fsdp_params, shards))
+
+
+def _check_same_order(order: list[int], *, complete: bool, device) -> None:
+    """RuntimeError on every process unless every process delivered all its clipped sums (``complete``) and
+    reduce-scattered the groups ``order`` (a sequence of group indices) in the same order: its length and two
+    position-weighted codes agree across processes (one all-reduce)."""
+    import torch.distributed as dist
+
+    prime = 2**31 - 1
+    codes = [len(order), sum((i + 1) * (k + 1) for i, k in enumerate(order)), 0]
+    for k in order:
+        codes[2] = (codes[2] * 1_000_003 + k + 1) % prime
+    expected = [*codes, *(-c for c in codes), 0]
+    box = torch.tensor([*codes, *(-c for c in codes), 0 if complete else 1], dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    found = box.tolist()
+    if found[-1]:
+        raise RuntimeError(
+            "hf_dp: a micro-batch ended before every trainable parameter's clipped sum reached its shard (on at least "
+            "one process); nothing was added to the gradients."
+        )
+    if found != expected:
+        raise RuntimeError(
+            "hf_dp: the processes reduce-scattered the clipped sums of their FSDP groups in different orders, so "
+            "different tensors were summed; nothing was added to the gradients."
+        )
 
 
 def _flat_shardable(fsdp_params) -> bool:
@@ -225,14 +279,10 @@ def _flat_shardable(fsdp_params) -> bool:
     )
 
 
-def _flat_reduce_scatter(fsdp_params, fulls: list[Tensor]) -> list[Tensor]:
-    """One reduce-scatter for the group: each full-size sum padded along dim 0 to ``W * ceil(n / W)`` rows, its rank
-    chunks laid side by side (``[W, ...]``), so that process ``r`` receives the rows ``torch.chunk`` gives it (FSDP2's
-    dim-0 sharding), for every parameter at once."""
-    import torch.distributed as dist
-
-    mesh = fsdp_params[0].sharded_param.device_mesh
-    pg, world = mesh.get_group(), mesh.size()
+def _flat_chunks(fulls: list[Tensor], world: int) -> tuple[Tensor, list[tuple[int, torch.Size]]]:
+    """The input of one reduce-scatter for a group: each full-size sum padded along dim 0 to ``W * ceil(n / W)`` rows,
+    its ``W`` row chunks laid side by side (``[W, ...]``), so that process ``r`` receives, for every parameter, the
+    rows ``torch.chunk`` gives it (FSDP2's dim-0 sharding); and ``(rows per process, trailing shape)`` of each."""
     blocks, layouts = [], []
     for full in fulls:
         rows = -(-full.shape[0] // world)  # ceil: torch.chunk's rows per process
@@ -240,17 +290,7 @@ def _flat_reduce_scatter(fsdp_params, fulls: list[Tensor]) -> list[Tensor]:
         padded[: full.shape[0]] = full
         blocks.append(padded.reshape(world, -1))
         layouts.append((rows, full.shape[1:]))
-    flat = torch.cat(blocks, dim=1)
-    del blocks
-    out = flat.new_empty(flat.shape[1])
-    dist.reduce_scatter_tensor(out, flat.reshape(-1), group=pg)
-    locals_, offset = [], 0
-    for fp, (rows, rest) in zip(fsdp_params, layouts, strict=True):
-        numel = rows * math.prod(rest)
-        local_rows = fp.sharded_param.to_local().shape[0]
-        locals_.append(out[offset : offset + numel].view(rows, *rest)[:local_rows])
-        offset += numel
-    return locals_
+    return torch.cat(blocks, dim=1), layouts
 
 
 def _dtensor_reduce_scatter(sharded: Tensor, full: Tensor) -> Tensor:

@@ -110,6 +110,7 @@ class DPTrainerMixin:
         self._in_train = False
         self._sharded: FSDP2Clipping | None = None  # FSDP2: set at the first step, on the sharded model
         self._loss_weight = 1.0  # 0 for the placeholder an FSDP2 rank runs for its empty micro-batch
+        self._deferred_error: Exception | None = None  # FSDP2: a self-check error, raised with the other processes
         # [sum of per-example losses, examples] since the last log, and over this train() call; on the device, so that
         # accumulating them never waits for the device (read at logging steps only).
         self._loss_window = torch.zeros(2, device=self.args.device)
@@ -293,11 +294,12 @@ class DPTrainerMixin:
             outputs = model(**self._model_inputs(model, inputs))
             loss = self.compute_per_example_loss(outputs, inputs).mean()
             return (loss, outputs) if return_outputs else loss
-        outputs = model(**self._model_inputs(model, inputs))
-        per_example = self.compute_per_example_loss(outputs, inputs)
-        if self._loss_weight != 1.0:
-            per_example = per_example * self._loss_weight
-        self.clipper.prepare(per_example, loss_scale=self._loss_scale())
+        with self._failing_together():
+            outputs = model(**self._model_inputs(model, inputs))
+            per_example = self.compute_per_example_loss(outputs, inputs)
+            if self._loss_weight != 1.0:
+                per_example = per_example * self._loss_weight
+            self.clipper.prepare(per_example, loss_scale=self._loss_scale())
         self._per_example_loss_seen = True
         if self._loss_weight != 0.0:
             detached = per_example.detach().float()
@@ -305,6 +307,28 @@ class DPTrainerMixin:
             self._loss_window[1] += detached.numel()
         loss = per_example.sum() / self.dp_plan.expected_batch_size
         return (loss, outputs) if return_outputs else loss
+
+    @contextlib.contextmanager
+    def _failing_together(self):
+        """FSDP2: an error of this process's forward pass, loss, ``prepare()`` (e.g. a layout it cannot prove) or
+        self-check is raised on every process, before the backward pass, instead of leaving the others waiting in
+        their next collective (one all-reduced flag per micro-batch)."""
+        if self._sharded is None:
+            yield
+            return
+        error, self._deferred_error = self._deferred_error, None
+        if error is None:
+            try:
+                yield
+            except Exception as raised:
+                error = raised
+        if any_process(error is not None, device=self.args.device):
+            if error is not None:
+                raise error
+            raise RuntimeError(
+                "hf_dp: another process failed in the forward pass of this micro-batch (see its error); stopping so "
+                "that no process waits for it."
+            )
 
     # ------------------------------------------------------------------ step
     def _loss_scale(self) -> float:
@@ -334,7 +358,7 @@ class DPTrainerMixin:
         # FSDP2 (hf_dp.fsdp): the clipper is built on the sharded model; a micro-batch in which any process may run
         # passes of the engine's own runs with the whole model on every process, so that they start no collective.
         if self._sharded is None:
-            self._sharded = FSDP2Clipping(model)
+            self._sharded = FSDP2Clipping(model, clipped_in_backward=self.args.clipping_style != "all-layer")
         self._sharded.start()
         size = 1 if PLACEHOLDER_KEY in inputs else (0 if is_empty_batch(inputs) else _batch_size(inputs))
         planning = self.clipper is None or self.clipper.needs_own_passes(size) or self._needs_self_check
@@ -371,7 +395,12 @@ class DPTrainerMixin:
             loss = torch.zeros((), device=self.args.device)
         else:
             if self._needs_self_check and placeholder is None:
-                self._self_check(inputs)
+                try:
+                    self._self_check(inputs)
+                except Exception as error:
+                    if self._sharded is None:
+                        raise
+                    self._deferred_error = error  # FSDP2: raised with the other processes, in compute_loss
                 self._needs_self_check = False
             self._dp_step_active, self._per_example_loss_seen = True, False
             # DDP must not reduce: BK puts the clipped sums in p.grad outside autograd, and they are all-reduced
@@ -426,6 +455,10 @@ class DPTrainerMixin:
         return loss
 
     def _trainable_parameters(self) -> list[nn.Parameter]:
+        """The parameters the optimizer steps on (FSDP2: the sharded ones, also while the model holds the unsharded
+        ones inside a collective-free micro-batch)."""
+        if self._sharded is not None:
+            return self._sharded.trainable_sharded_parameters()
         return [p for p in self.model.parameters() if p.requires_grad]
 
     @torch.no_grad()
@@ -450,6 +483,8 @@ class DPTrainerMixin:
             return
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for p in self._trainable_parameters():
+            if self._sharded is not None and not hasattr(p.grad, "to_local"):
+                raise RuntimeError("hf_dp: FSDP2 noise must go to the sharded gradients (DTensors).")
             grad = local_tensor(p.grad)  # FSDP2: this process's shard
             by_device.setdefault(grad.device, []).append(grad)
         if dropped is not None:

@@ -58,20 +58,24 @@ class FSDP2Clipping:
 
     Args:
         model (`nn.Module`): the model after ``fully_shard`` (e.g. by accelerate's FSDP plugin, ``fsdp_version=2``).
+        clipped_in_backward (`bool`, *optional*, defaults to `False`): whether the clipper clips (and delivers) inside
+            the backward pass (several clipping groups): the groups are then reduce-scattered in backward order (the
+            last block first), else in forward order; a group that completes out of this fixed order waits.
         bucketed (`bool`, *optional*, defaults to `True`): one flat reduce-scatter per FSDP group where every
-            parameter is sharded on dim 0 of a 1-D mesh (FSDP2's default); else, and for other placements (HSDP),
+            parameter is sharded on dim 0 (FSDP2's default); else, and for other placements (``shard_placement_fn``),
             one DTensor redistribution per parameter.
 
     Raises:
-        ValueError: CPU offloading.
+        ValueError: CPU offloading, a mesh of more than one dimension (HSDP).
     """
 
     #: Flat reduce-scatters running at once (each holds its group's full-size sums until it completes).
     MAX_IN_FLIGHT = 2
 
-    def __init__(self, model: nn.Module, *, bucketed: bool = True) -> None:
+    def __init__(self, model: nn.Module, *, bucketed: bool = True, clipped_in_backward: bool = False) -> None:
         self.model = model
         self.bucketed = bucketed
+        self.clipped_in_backward = clipped_in_backward
         self.modules = fsdp2_modules(model)
         groups = {}  # a state can be shared by several modules (``fully_shard([a, b])``): each group once
         for module in self.modules:
@@ -80,11 +84,28 @@ class FSDP2Clipping:
         self.param_groups = list(groups.values())
         self.fsdp_params = [fp for g in self.param_groups for fp in g.fsdp_params]
         for fp in self.fsdp_params:
+            if fp.sharded_param.device_mesh.ndim != 1:
+                raise ValueError(
+                    "hf_dp with FSDP2 supports a 1-D device mesh only (full sharding): with HSDP (a replicate "
+                    "dimension) the replicas would draw different noise for the same shard. Shard over all "
+                    "processes (no `dp_replicate_size`)."
+                )
             if getattr(fp, "offload_to_cpu", False):
                 raise ValueError(
                     "hf_dp with FSDP2 does not support CPU offloading (`offload_params`): the clipped sums are "
                     "reduce-scattered into gradients on the device. Turn offloading off."
                 )
+        # hf_dp's own collectives (reduce-scatters, checks) on a process group of their own, so that they never pair
+        # with FSDP's all-gathers, whose order relative to them may differ across processes
+        self._comm_group = None
+        if self.fsdp_params:
+            import torch.distributed as dist
+
+            ranks = dist.get_process_group_ranks(self.fsdp_params[0].sharded_param.device_mesh.get_group())
+            self._comm_group = dist.new_group(ranks=ranks)
+        self._static_order: list[int] = []
+        self._ready: set[int] = set()
+        self._next = 0
         self._stash: dict[int, Tensor] = {}  # id(unsharded parameter) -> this process's clipped sum
         self._unit_of: dict[int, int] = {}  # id(unsharded trainable parameter) -> index of its FSDP group in _units
         self._units: list[list] = []  # the trainable FSDPParams of each FSDP group that has any
@@ -114,6 +135,15 @@ class FSDP2Clipping:
         """Every group unsharded (one all-gather each, on every rank), then no reshard after forward or backward
         until the end of the block, so that the passes the engine runs on this rank's examples alone make no
         collective; resharded (locally) at the end."""
+        # the root's first forward decides that it keeps its parameters after the forward (lazy init): decide it now,
+        # so that what is saved and restored below is the state training runs with
+        self.modules[0]._get_fsdp_state()._lazy_init()
+        states = [m._get_fsdp_state() for m in self.modules]
+        auto = [
+            (state, state._auto_reshard_after_forward)
+            for state in states
+            if hasattr(state, "_auto_reshard_after_forward")
+        ]
         saved = [(g, g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads) for g in self.param_groups]
         self.unshard_all()
         for module in self.modules:
@@ -123,6 +153,8 @@ class FSDP2Clipping:
         try:
             yield
         finally:
+            for state, flag in auto:
+                state._auto_reshard_after_forward = flag
             for group, mesh_info, after_backward, reduce_grads in saved:
                 group.post_forward_mesh_info = mesh_info
                 group.reshard_after_backward = after_backward
@@ -149,7 +181,16 @@ class FSDP2Clipping:
             if unit:
                 self._units.append(unit)
         self._pending = [len(unit) for unit in self._units]
+        # a fixed order of the reduce-scatters, the same on every process whatever the data (units[0] is the root's
+        # group: embeddings, final norm and head, which complete last in both orders)
+        blocks = list(range(1, len(self._units)))
+        self._static_order = (blocks[::-1] if self.clipped_in_backward else blocks) + [0][: len(self._units)]
+        self._ready, self._next = set(), 0
         return mapping
+
+    def trainable_sharded_parameters(self) -> list[nn.Parameter]:
+        """The sharded parameters whose clipped sums this object reduce-scatters (what the optimizer steps on)."""
+        return [fp.sharded_param for unit in self._units for fp in unit]
 
     # ------------------------------------------------------------------ gradients
     def sink(self, param: nn.Parameter, clipped_sum: Tensor) -> None:
@@ -166,20 +207,29 @@ class FSDP2Clipping:
         self._stash[id(param)] = clipped_sum
         self._pending[unit] -= 1
         if self._pending[unit] == 0:
-            self._reduce_unit(unit)
+            self._ready.add(unit)
+            self._reduce_ready()
+
+    def _reduce_ready(self) -> None:
+        """Start the reduce-scatters of the completed groups that are next in the fixed order."""
+        while self._next < len(self._static_order) and self._static_order[self._next] in self._ready:
+            self._reduce_unit(self._static_order[self._next])
+            self._next += 1
 
     def flush(self) -> None:
         """After ``finish()``: wait for the reduce-scatters, check that every process reduce-scattered the same groups
         in the same order, and add the shards to the sharded gradients (RuntimeError, with nothing added, if a
         clipped sum is missing or the order differs)."""
+        self._reduce_ready()
         while self._in_flight:
             self._complete_oldest()
         done, order = self._done, self._order
+        self._ready, self._next = set(), 0
         complete = not (any(self._pending) or self._stash)
         self._done, self._order, self._stash = [], [], {}
         self._pending = [len(unit) for unit in self._units]
         device = self._units[0][0].sharded_param.to_local().device if self._units else "cpu"
-        _check_same_order(order, complete=complete, device=device)
+        _check_same_order(order, complete=complete, device=device, group=self._comm_group)
         from torch.distributed.tensor import DTensor
 
         with torch.no_grad():
@@ -214,7 +264,7 @@ class FSDP2Clipping:
             flat, layouts = _flat_chunks(fulls, mesh.size())
             del fulls
             out = flat.new_empty(flat.shape[1])
-            work = dist.reduce_scatter_tensor(out, flat.reshape(-1), group=mesh.get_group(), async_op=True)
+            work = dist.reduce_scatter_tensor(out, flat.reshape(-1), group=self._comm_group, async_op=True)
             self._in_flight.append((work, flat, out, fsdp_params, layouts))
             while len(self._in_flight) > self.MAX_IN_FLIGHT:
                 self._complete_oldest()
@@ -237,7 +287,7 @@ class FSDP2Clipping:
         self._done.append((fsdp_params, shards))
 
 
-def _check_same_order(order: list[int], *, complete: bool, device) -> None:
+def _check_same_order(order: list[int], *, complete: bool, device, group=None) -> None:
     """RuntimeError on every process unless every process delivered all its clipped sums (``complete``) and
     reduce-scattered the groups ``order`` (a sequence of group indices) in the same order: its length and two
     position-weighted codes agree across processes (one all-reduce)."""
@@ -249,8 +299,8 @@ def _check_same_order(order: list[int], *, complete: bool, device) -> None:
         codes[2] = (codes[2] * 1_000_003 + k + 1) % prime
     expected = [*codes, *(-c for c in codes), 0]
     box = torch.tensor([*codes, *(-c for c in codes), 0 if complete else 1], dtype=torch.int64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
     found = box.tolist()
     if found[-1]:
         raise RuntimeError(

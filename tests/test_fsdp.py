@@ -183,14 +183,18 @@ def single_process():
 
 
 class TestFSDP2:
-    @pytest.mark.parametrize("dynamic_padding", [False, True])
-    def test_two_sharded_processes_match_one(self, tmp_path, single_process, dynamic_padding):
+    @pytest.mark.parametrize(
+        ("dynamic_padding", "style"), [(False, "all-layer"), (True, "all-layer"), (True, "layer-wise")]
+    )
+    def test_two_sharded_processes_match_one(self, tmp_path, single_process, dynamic_padding, style):
         """sigma = 0, q = 1: two processes with sharded parameters take the 1-process (unsharded) steps; with
-        dynamic padding every micro-batch has its own length."""
+        dynamic padding every micro-batch has its own length; layer-wise clipping delivers inside the backward pass
+        (reduce-scatters in backward order)."""
         two = tmp_path / "two.pt"
-        _launch(str(tmp_path / "fsdp"), str(two), 0.0, 3, 4, 2, dynamic_padding=dynamic_padding)
+        extra = {"dynamic_padding": dynamic_padding, "clipping_style": style}
+        _launch(str(tmp_path / "fsdp"), str(two), 0.0, 3, 4, 2, **extra)
         one = tmp_path / "one.pt"
-        _run(str(tmp_path / "single"), str(one), 0.0, 3, 8, 2, fsdp=False, dynamic_padding=dynamic_padding)
+        _run(str(tmp_path / "single"), str(one), 0.0, 3, 8, 2, fsdp=False, **extra)
         r2, r1 = torch.load(two, weights_only=False), torch.load(one, weights_only=False)
         assert r2["is_fsdp"] and r2["sharded"] == "DTensor" and r2["world_size"] == 2
         for name in r1["after"]:
@@ -227,11 +231,14 @@ class TestFSDP2:
             torch.testing.assert_close(rs["after"][name], rd["after"][name], rtol=1e-5, atol=1e-6, msg=name)
         assert any(not torch.equal(rd["after"][k], rd["before"][k]) for k in rd["after"])
 
-    def test_noise_added_once_per_coordinate(self, tmp_path, single_process):
+    @pytest.mark.parametrize(("per_device", "accumulation"), [(4, 2), (8, 1)])
+    def test_noise_added_once_per_coordinate(self, tmp_path, single_process, per_device, accumulation):
+        """Also when the step's last micro-batch is the collective-free first one (accumulation 1), where the model
+        holds its unsharded parameters while the noise is added."""
         sigma, clip = 2.0, 0.5
         clean, noisy = tmp_path / "clean.pt", tmp_path / "noisy.pt"
-        _launch(str(tmp_path / "a"), str(clean), 0.0, 1, 4, 2)
-        _launch(str(tmp_path / "b"), str(noisy), sigma, 1, 4, 2)
+        _launch(str(tmp_path / "a"), str(clean), 0.0, 1, per_device, accumulation)
+        _launch(str(tmp_path / "b"), str(noisy), sigma, 1, per_device, accumulation)
         rc, rn = torch.load(clean, weights_only=False), torch.load(noisy, weights_only=False)
         keys = [k for k in rc["after"] if "attn.bias" not in k and k != "lm_head.weight"]  # lm_head is tied to wte
         noise = torch.cat([(rn["after"][k] - rc["after"][k]).flatten() for k in keys])
@@ -333,7 +340,7 @@ def _engine_case(case, rank, world):
         if type(module).__name__ == block:
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    sharded = FSDP2Clipping(model, bucketed=reduction != ["dtensor"])
+    sharded = FSDP2Clipping(model, bucketed=reduction != ["dtensor"], clipped_in_backward=style != "all-layer")
     sharded.start()
     with sharded.collective_free():
         clipper = BookKeepingClipper(
@@ -368,6 +375,23 @@ def _engine_case(case, rank, world):
     return worst
 
 
+def _hsdp_refused(world) -> float:
+    """0 if FSDP2Clipping refuses a model sharded on a 2-D (replicate x shard) mesh, else 1."""
+    import models
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_dp.fsdp import FSDP2Clipping
+
+    model = models.gpt2()
+    fully_shard(model, mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard")))
+    try:
+        FSDP2Clipping(model)
+    except ValueError as error:
+        return 0.0 if "HSDP" in str(error) else 1.0
+    return 1.0
+
+
 def _engine_job(rank, world, port, result_path):
     import sys
 
@@ -376,6 +400,7 @@ def _engine_job(rank, world, port, result_path):
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
         errors = {"-".join(case): _engine_case(case, rank, world) for case in ENGINE_CASES}
+        errors["hsdp-refused"] = _hsdp_refused(world)
         if rank == 0:
             torch.save(errors, result_path)
     finally:
@@ -397,7 +422,7 @@ def test_engine_sharded_clipped_sums_match_one_process(tmp_path):
     result = tmp_path / "errors.pt"
     start_processes(_engine_job, args=(2, port, str(result)), nprocs=2, start_method="spawn")
     errors = torch.load(result)
-    assert len(errors) == len(ENGINE_CASES)
+    assert len(errors) == len(ENGINE_CASES) + 1
     bad = {case: err for case, err in errors.items() if not err < 1e-5}
     assert not bad, bad
 

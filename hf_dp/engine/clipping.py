@@ -62,10 +62,12 @@ class GroupClipping:
             for q in self._groups.params[g]:
                 parts = pieces.pop(q, None)
                 total = None
+                # the dtype of the parameter the optimizer steps on (FSDP2 may compute in a lower one)
+                dtype = self._registered.get(q, q).dtype
                 if parts:
-                    total = weighted_sum(parts[0], coef, q.dtype, keep)
+                    total = weighted_sum(parts[0], coef, dtype, keep)
                     for part in parts[1:]:
-                        total += weighted_sum(part, coef, q.dtype, keep)
+                        total += weighted_sum(part, coef, dtype, keep)
                     del parts
                 self._deliver(p, q, total)
         p.done[g] = True
@@ -73,7 +75,8 @@ class GroupClipping:
     def _deliver(self, p: Pass, q: nn.Parameter, total: Tensor | None) -> None:
         """``grad_sink(q, total)`` (zeros for a parameter no use reached), else ``q.grad += total``."""
         if self.grad_sink is not None:
-            self.grad_sink(q, torch.zeros_like(q) if total is None else total)
+            dtype = self._registered.get(q, q).dtype
+            self.grad_sink(q, torch.zeros_like(q, dtype=dtype) if total is None else total)
             return
         if total is None:
             return

@@ -9,9 +9,11 @@ weight gradient (ghost differentiation), so FSDP's own reduce-scatter has nothin
 * the clipped sum of each parameter over this rank's examples (full size) is handed to :meth:`FSDP2Clipping.sink`;
   once every trainable parameter of an FSDP group has its sum, one flat reduce-scatter of the group starts
   (asynchronously, a few groups at a time, so that only their full-size sums are held), and after ``finish()``
-  :meth:`FSDP2Clipping.flush` adds the shards to the sharded gradients. Every rank makes the same collectives in the
-  same order (the order of the backward pass, as FSDP's own reduce-scatters; checked before anything is added); a
-  rank whose micro-batch is empty runs a placeholder with loss weight 0 (DPTrainer) and so reduce-scatters zeros;
+  :meth:`FSDP2Clipping.flush` adds the shards to the sharded gradients. The groups go in a fixed order (forward
+  order, or backward order when the clipper delivers inside the backward pass; a group that completes early waits),
+  on a process group of their own, so every rank makes the same collectives in the same order whatever its data
+  (checked by one all-reduce before anything is added); a rank whose micro-batch is empty runs a placeholder with
+  loss weight 0 (DPTrainer) and so reduce-scatters zeros;
 * a micro-batch in which the engine runs passes of its own (the proof of a plan, the support check, the self-check)
   runs with every group unsharded and resharding off (:meth:`FSDP2Clipping.collective_free`), so that those passes,
   which depend on this rank's examples, make no collective; all ranks enter it together (an all-reduced flag);

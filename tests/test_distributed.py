@@ -66,9 +66,10 @@ def _run(out_dir, result_path, sigma, max_steps, per_device, accumulation, *, st
         )
 
 
-def _launch(*args, **kwargs):
-    """The environment of accelerate's ``debug_launcher``, but spawning: forking a process whose OpenMP pool
-    already ran (any earlier test) can deadlock the children."""
+def launch_two(run, *args, **kwargs):
+    """``run(*args, **kwargs)`` in 2 processes with the environment of accelerate's ``debug_launcher``, but spawning:
+    forking a process whose OpenMP pool already ran (any earlier test) can deadlock the children. ``run`` must be a
+    module-level function (it is pickled)."""
     import socket
     import tempfile
 
@@ -90,15 +91,19 @@ def _launch(*args, **kwargs):
             gloo_socket_ifname="lo",
         ),
     ):
-        start_processes(PrepareForLaunch(_Job(args, kwargs), debug=True), nprocs=2, start_method="spawn")
+        start_processes(PrepareForLaunch(_Job(run, args, kwargs), debug=True), nprocs=2, start_method="spawn")
+
+
+def _launch(*args, **kwargs):
+    launch_two(_run, *args, **kwargs)
 
 
 class _Job:
-    def __init__(self, args, kwargs):
-        self.args, self.kwargs = args, kwargs
+    def __init__(self, run, args, kwargs):
+        self.run, self.args, self.kwargs = run, args, kwargs
 
     def __call__(self):
-        _run(*self.args, **self.kwargs)
+        self.run(*self.args, **self.kwargs)
         # Tear gloo down before the interpreter exits: a live process group's threads otherwise end in
         # "terminate called without an active exception" (SIGABRT) on some exits (seen about 1 run in 6).
         if torch.distributed.is_initialized():

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 from models import gpt2
-from test_distributed import _reset_accelerate_state
+from test_distributed import _reset_accelerate_state, launch_two
 from test_trainer import ToyDataset, collate, dp_args, pad_collate
 
 N = 16
@@ -139,40 +139,7 @@ def _run(
 
 
 def _launch(*args, **kwargs):
-    """Two spawned processes with accelerate's debug-launcher environment (as in test_distributed)."""
-    import socket
-    import tempfile
-
-    from accelerate.utils import PrepareForLaunch, patch_environment
-    from torch.multiprocessing import start_processes
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with (
-        tempfile.TemporaryDirectory() as rdv,
-        patch_environment(
-            world_size=2,
-            master_addr="127.0.0.1",
-            master_port=str(port),
-            accelerate_mixed_precision="no",
-            accelerate_debug_rdv_file=os.path.join(rdv, "rdv"),
-            accelerate_use_cpu="yes",
-            gloo_socket_ifname="lo",
-        ),
-    ):
-        start_processes(PrepareForLaunch(_Job(args, kwargs), debug=True), nprocs=2, start_method="spawn")
-
-
-class _Job:
-    def __init__(self, args, kwargs):
-        self.args, self.kwargs = args, kwargs
-
-    def __call__(self):
-        _run(*self.args, **self.kwargs)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
+    launch_two(_run, *args, **kwargs)
 
 
 @pytest.fixture

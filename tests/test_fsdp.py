@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -60,6 +61,7 @@ def _run(
     fsdp=True,
     saves=False,
     dynamic_padding=False,
+    fail_self_check=False,
     stop_at=None,
     resume=False,
     **overrides,
@@ -69,6 +71,7 @@ def _run(
 
     from hf_dp import DPTrainer
     from hf_dp.collators import is_empty_batch
+    from hf_dp.engine import SelfCheckError
 
     _allow_fsdp_on_cpu()
     _reset_accelerate_state()
@@ -117,7 +120,21 @@ def _run(
         return step(model, inputs, *rest)
 
     trainer.training_step = counting_step
-    trainer.train(resume_from_checkpoint=True if resume else None)
+    if fail_self_check and torch.distributed.get_rank() == 1:
+
+        def failing_self_check(inputs):
+            raise SelfCheckError("injected on rank 1")
+
+        trainer._self_check = failing_self_check
+    try:
+        trainer.train(resume_from_checkpoint=True if resume else None)
+    except Exception as error:  # what each process raised, for the test to read
+        rank = torch.distributed.get_rank()
+        with open(f"{result_path}.rank{rank}", "w") as f:
+            f.write(f"{type(error).__name__}: {error}")
+        if rank == 1:  # the launcher stops the other process once one failed: let process 0 write what it raised
+            time.sleep(3)
+        raise
     after = _full_state(trainer.model)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(empty)
@@ -197,6 +214,17 @@ class TestFSDP2:
         for name in rd["after"]:
             torch.testing.assert_close(rs["after"][name], rd["after"][name], rtol=1e-5, atol=1e-6, msg=name)
         assert any(not torch.equal(rd["after"][k], rd["before"][k]) for k in rd["after"])
+
+    def test_a_failed_self_check_on_one_process_stops_both(self, tmp_path, single_process):
+        """The self-check fails on process 1 only: both processes raise before the backward pass (process 0 with a
+        pointer to the other's error) instead of process 0 waiting in its next collective."""
+        from torch.multiprocessing import ProcessRaisedException
+
+        result = tmp_path / "a.pt"
+        with pytest.raises(ProcessRaisedException):
+            _launch(str(tmp_path / "a"), str(result), 0.0, 1, 4, 2, fail_self_check=True)
+        assert "injected on rank 1" in (tmp_path / "a.pt.rank1").read_text()
+        assert "another process failed" in (tmp_path / "a.pt.rank0").read_text()
 
     @pytest.mark.parametrize(("per_device", "accumulation"), [(4, 2), (8, 1)])
     def test_noise_added_once_per_coordinate(self, tmp_path, single_process, per_device, accumulation):

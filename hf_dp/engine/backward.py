@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from ..layers import UnsupportedModuleError
 from ..layers.grads import FactoredGrad, PerExampleGrad, instantiate, norm_sq, weighted_sum
-from .checkpointing import backward_keeping_grads, own_saved_tensors, rerun_without_reentrant
+from .checkpointing import backward_keeping_grads, graph_leaves, own_saved_tensors, rerun_without_reentrant
 from .rows import closed_form_grads, foreign_rows
 from .state import Pass, Use, grad_stamp
 
@@ -161,20 +161,13 @@ class BackwardBookkeeping:
         pass: look for such a use in the loss's graph before the backward pass instead (a node accumulating into a
         trainable parameter; ghost differentiation leaves none for the uses the hooks cover)."""
         trainable = {id(q): q for q in self._trainable}
-        seen, stack = set(), [loss.grad_fn]
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            var = getattr(node, "variable", None)
-            if var is not None and trainable.get(id(var)) is var:
+        for var in graph_leaves(loss):
+            if trainable.get(id(var)) is var:
                 raise UnsupportedModuleError(
                     f"Trainable parameter `{self._names()[1].get(var, '?')}` is used outside the model's forward pass "
                     "(e.g. in the loss), where its gradient would not be clipped. Compute the per-example loss from "
                     "the model's outputs only."
                 )
-            stack.extend(n for n, _ in node.next_functions)
 
     def _check_ghost_sums(self, p: Pass, pieces: dict[nn.Parameter, list[PerExampleGrad]]) -> None:
         """Once per plan in ghost mode: autograd's gradient of the summed loss must equal the sum of the engine's

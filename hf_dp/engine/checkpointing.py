@@ -70,6 +70,7 @@ __all__ = [
     "backward_keeping_grads",
     "captures_grad",
     "checkpoint_region",
+    "graph_leaves",
     "graph_task_id",
     "in_backward",
     "own_saved_tensors",
@@ -181,11 +182,9 @@ def captures_grad(function: Any) -> bool:
     return any(isinstance(x, Tensor) and x.requires_grad for x in leaves)
 
 
-def backward_keeping_grads(tensor: Tensor, *, retain_graph: bool = False) -> None:
-    """``tensor.backward()`` that leaves the ``.grad`` of every leaf of the graph as it was: for the engine's own
-    backward passes through reentrant checkpointing, which refuses ``torch.autograd.grad`` and ``inputs=``. (Leaves
-    of the graphs recomputed in it are the engine's own or out of autograd.)"""
-    leaves: dict[int, tuple[Tensor, Tensor | None]] = {}
+def graph_leaves(tensor: Tensor) -> Iterator[Tensor]:
+    """The leaf tensors autograd would accumulate into in a backward pass of ``tensor`` (its graph's
+    ``AccumulateGrad`` nodes), each once."""
     seen, stack = set(), [tensor.grad_fn]
     while stack:
         node = stack.pop()
@@ -194,8 +193,15 @@ def backward_keeping_grads(tensor: Tensor, *, retain_graph: bool = False) -> Non
         seen.add(node)
         var = getattr(node, "variable", None)
         if isinstance(var, Tensor):
-            leaves[id(var)] = (var, var.grad)
+            yield var
         stack.extend(n for n, _ in node.next_functions)
+
+
+def backward_keeping_grads(tensor: Tensor, *, retain_graph: bool = False) -> None:
+    """``tensor.backward()`` that leaves the ``.grad`` of every leaf of the graph as it was: for the engine's own
+    backward passes through reentrant checkpointing, which refuses ``torch.autograd.grad`` and ``inputs=``. (Leaves
+    of the graphs recomputed in it are the engine's own or out of autograd.)"""
+    leaves = {id(var): (var, var.grad) for var in graph_leaves(tensor)}
     for var, _ in leaves.values():
         var.grad = None  # autograd would accumulate into the kept tensor in place
     try:

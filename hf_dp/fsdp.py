@@ -11,9 +11,8 @@ weight gradient (ghost differentiation), so FSDP's own reduce-scatter has nothin
   (asynchronously, a few groups at a time, so that only their full-size sums are held), and after ``finish()``
   :meth:`FSDP2Clipping.flush` adds the shards to the sharded gradients. The groups go in a fixed order (forward
   order, or backward order when the clipper delivers inside the backward pass; a group that completes early waits),
-  on a process group of their own, so every rank makes the same collectives in the same order whatever its data
-  (checked by one all-reduce before anything is added); a rank whose micro-batch is empty runs a placeholder with
-  loss weight 0 (DPTrainer) and so reduce-scatters zeros;
+  on a process group of their own, so every rank makes the same collectives in the same order whatever its data. A
+  rank whose micro-batch is empty runs a placeholder with loss weight 0 (DPTrainer) and so reduce-scatters zeros;
 * a micro-batch in which the engine runs passes of its own (the proof of a plan, the support check, the self-check)
   runs with every group unsharded and resharding off (:meth:`FSDP2Clipping.collective_free`), so that those passes,
   which depend on this rank's examples, make no collective; all ranks enter it together (an all-reduced flag);
@@ -63,20 +62,16 @@ class FSDP2Clipping:
         clipped_in_backward (`bool`, *optional*, defaults to `False`): whether the clipper clips (and delivers) inside
             the backward pass (several clipping groups): the groups are then reduce-scattered in backward order (the
             last block first), else in forward order; a group that completes out of this fixed order waits.
-        bucketed (`bool`, *optional*, defaults to `True`): one flat reduce-scatter per FSDP group where every
-            parameter is sharded on dim 0 (FSDP2's default); else, and for other placements (``shard_placement_fn``),
-            one DTensor redistribution per parameter.
 
     Raises:
-        ValueError: CPU offloading, a mesh of more than one dimension (HSDP).
+        ValueError: CPU offloading, a mesh of more than one dimension (HSDP), a parameter not sharded on dim 0.
     """
 
     #: Flat reduce-scatters running at once (each holds its group's full-size sums until it completes).
     MAX_IN_FLIGHT = 2
 
-    def __init__(self, model: nn.Module, *, bucketed: bool = True, clipped_in_backward: bool = False) -> None:
+    def __init__(self, model: nn.Module, *, clipped_in_backward: bool = False) -> None:
         self.model = model
-        self.bucketed = bucketed
         self.clipped_in_backward = clipped_in_backward
         self.modules = fsdp2_modules(model)
         groups = {}  # a state can be shared by several modules (``fully_shard([a, b])``): each group once
@@ -85,12 +80,20 @@ class FSDP2Clipping:
                 groups.setdefault(id(group), group)
         self.param_groups = list(groups.values())
         self.fsdp_params = [fp for g in self.param_groups for fp in g.fsdp_params]
+        from torch.distributed.tensor import Shard
+
         for fp in self.fsdp_params:
             if fp.sharded_param.device_mesh.ndim != 1:
                 raise ValueError(
                     "hf_dp with FSDP2 supports a 1-D device mesh only (full sharding): with HSDP (a replicate "
                     "dimension) the replicas would draw different noise for the same shard. Shard over all "
                     "processes (no `dp_replicate_size`)."
+                )
+            if fp.sharded_param.dim() == 0 or tuple(fp.sharded_param.placements) != (Shard(0),):
+                raise ValueError(
+                    f"hf_dp with FSDP2 supports parameters sharded on their dimension 0 (FSDP2's default), got "
+                    f"{tuple(fp.sharded_param.placements)} for a parameter of shape {tuple(fp.sharded_param.shape)}. "
+                    "Leave `shard_placement_fn` unset."
                 )
             if getattr(fp, "offload_to_cpu", False):
                 raise ValueError(
@@ -114,7 +117,6 @@ class FSDP2Clipping:
         self._pending: list[int] = []  # per group: trainable parameters whose clipped sum has not arrived
         self._in_flight: list[tuple] = []  # (work, input, output, FSDPParams, layouts) of running reduce-scatters
         self._done: list[tuple] = []  # (FSDPParams, this process's shards) waiting for flush()
-        self._order: list[int] = []  # groups in the order their reduce-scatters started
 
     # ------------------------------------------------------------------ state of the groups
     def unshard_all(self) -> None:
@@ -219,19 +221,26 @@ class FSDP2Clipping:
             self._next += 1
 
     def flush(self) -> None:
-        """After ``finish()``: wait for the reduce-scatters, check that every process reduce-scattered the same groups
-        in the same order, and add the shards to the sharded gradients (RuntimeError, with nothing added, if a
-        clipped sum is missing or the order differs)."""
+        """After ``finish()``: reduce-scatter the groups still waiting, wait for every reduce-scatter, and add the
+        shards to the sharded gradients. A group with a missing clipped sum is reduce-scattered with zeros in its place
+        (so that every process makes the same collectives), and this process raises with nothing added."""
+        complete = not any(self._pending)
+        for unit, pending in enumerate(self._pending):
+            if pending:
+                for fp in self._units[unit]:
+                    self._stash.setdefault(id(fp._unsharded_param), _zeros_like_full(fp.sharded_param))
+                self._ready.add(unit)
         self._reduce_ready()
         while self._in_flight:
             self._complete_oldest()
-        done, order = self._done, self._order
+        done, self._done = self._done, []
         self._ready, self._next = set(), 0
-        complete = not (any(self._pending) or self._stash)
-        self._done, self._order, self._stash = [], [], {}
         self._pending = [len(unit) for unit in self._units]
-        device = self._units[0][0].sharded_param.to_local().device if self._units else "cpu"
-        _check_same_order(order, complete=complete, device=device, group=self._comm_group)
+        if not complete:  # the clipper delivers every trainable parameter (zeros if unused): an internal error
+            raise RuntimeError(
+                "hf_dp: a micro-batch ended before every trainable parameter's clipped sum reached its shard; nothing "
+                "was added to the gradients."
+            )
         from torch.distributed.tensor import DTensor
 
         with torch.no_grad():
@@ -240,7 +249,7 @@ class FSDP2Clipping:
                     sharded = fp.sharded_param
                     if sharded.grad is None:
                         sharded.grad = DTensor.from_local(
-                            local.clone(),
+                            local.to(sharded.dtype, copy=True),
                             sharded.device_mesh,
                             sharded.placements,
                             run_check=False,
@@ -252,29 +261,20 @@ class FSDP2Clipping:
 
     @torch.no_grad()
     def _reduce_unit(self, unit: int) -> None:
-        """Start reduce-scattering the clipped sums of FSDP group ``unit``. The groups complete in the order of the
-        backward pass, which FSDP itself requires to be the same on every process (:meth:`flush` checks it before
-        adding anything). The flat reduce-scatter runs asynchronously, at most ``MAX_IN_FLIGHT`` groups at a time
-        (each holds its full-size input until it completes)."""
+        """Start one flat reduce-scatter of the clipped sums of FSDP group ``unit``, asynchronously, on hf_dp's own
+        process group; at most ``MAX_IN_FLIGHT`` run at a time (each holds its full-size input until it completes)."""
         import torch.distributed as dist
 
         fsdp_params = self._units[unit]
-        self._order.append(unit)
-        fulls = [self._stash.pop(id(fp._unsharded_param)).to(fp.sharded_param.dtype) for fp in fsdp_params]
-        if self.bucketed and _flat_shardable(fsdp_params):
-            mesh = fsdp_params[0].sharded_param.device_mesh
-            flat, layouts = _flat_chunks(fulls, mesh.size())
-            del fulls
-            out = flat.new_empty(flat.shape[1])
-            work = dist.reduce_scatter_tensor(out, flat.reshape(-1), group=self._comm_group, async_op=True)
-            self._in_flight.append((work, flat, out, fsdp_params, layouts))
-            while len(self._in_flight) > self.MAX_IN_FLIGHT:
-                self._complete_oldest()
-        else:
-            shards = [
-                _dtensor_reduce_scatter(fp.sharded_param, full) for fp, full in zip(fsdp_params, fulls, strict=True)
-            ]
-            self._done.append((fsdp_params, shards))
+        fulls = [self._stash.pop(id(fp._unsharded_param)) for fp in fsdp_params]
+        world = fsdp_params[0].sharded_param.device_mesh.size()
+        flat, layouts = _flat_chunks(fulls, world)
+        del fulls
+        out = flat.new_empty(flat.shape[1])
+        work = dist.reduce_scatter_tensor(out, flat.reshape(-1), group=self._comm_group, async_op=True)
+        self._in_flight.append((work, flat, out, fsdp_params, layouts))
+        while len(self._in_flight) > self.MAX_IN_FLIGHT:
+            self._complete_oldest()
 
     def _complete_oldest(self) -> None:
         work, flat, out, fsdp_params, layouts = self._in_flight.pop(0)
@@ -289,52 +289,15 @@ class FSDP2Clipping:
         self._done.append((fsdp_params, shards))
 
 
-def _check_same_order(order: list[int], *, complete: bool, device, group=None) -> None:
-    """RuntimeError on every process unless every process delivered all its clipped sums (``complete``) and
-    reduce-scattered the groups ``order`` (a sequence of group indices) in the same order: its length and two
-    position-weighted codes agree across processes (one all-reduce)."""
-    import torch.distributed as dist
-
-    prime = 2**31 - 1
-    codes = [len(order), sum((i + 1) * (k + 1) for i, k in enumerate(order)), 0]
-    for k in order:
-        codes[2] = (codes[2] * 1_000_003 + k + 1) % prime
-    expected = [*codes, *(-c for c in codes), 0]
-    box = torch.tensor([*codes, *(-c for c in codes), 0 if complete else 1], dtype=torch.int64, device=device)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
-    found = box.tolist()
-    if found[-1]:
-        raise RuntimeError(
-            "hf_dp: a micro-batch ended before every trainable parameter's clipped sum reached its shard (on at least "
-            "one process); nothing was added to the gradients."
-        )
-    if found != expected:
-        raise RuntimeError(
-            "hf_dp: the processes reduce-scattered the clipped sums of their FSDP groups in different orders, so "
-            "different tensors were summed; nothing was added to the gradients."
-        )
-
-
-def _flat_shardable(fsdp_params) -> bool:
-    """Every parameter sharded on dim 0 of the same 1-D mesh, in one dtype (FSDP2's default)."""
-    from torch.distributed.tensor import Shard
-
-    first = fsdp_params[0].sharded_param
-    return all(
-        fp.sharded_param.device_mesh is first.device_mesh
-        and first.device_mesh.ndim == 1
-        and fp.sharded_param.dim() >= 1
-        and tuple(fp.sharded_param.placements) == (Shard(0),)
-        and fp.sharded_param.dtype == first.dtype
-        for fp in fsdp_params
-    )
+def _zeros_like_full(sharded: Tensor) -> Tensor:
+    return torch.zeros(sharded.shape, dtype=sharded.dtype, device=sharded.to_local().device)
 
 
 def _flat_chunks(fulls: list[Tensor], world: int) -> tuple[Tensor, list[tuple[int, torch.Size]]]:
     """The input of one reduce-scatter for a group: each full-size sum padded along dim 0 to ``W * ceil(n / W)`` rows,
     its ``W`` row chunks laid side by side (``[W, ...]``), so that process ``r`` receives, for every parameter, the
-    rows ``torch.chunk`` gives it (FSDP2's dim-0 sharding); and ``(rows per process, trailing shape)`` of each."""
+    rows ``torch.chunk`` gives it (FSDP2's dim-0 sharding); and ``(rows per process, trailing shape)`` of each. Sums of
+    several dtypes are laid out in their promoted dtype (each shard is cast back when it is added)."""
     blocks, layouts = [], []
     for full in fulls:
         rows = -(-full.shape[0] // world)  # ceil: torch.chunk's rows per process
@@ -343,22 +306,6 @@ def _flat_chunks(fulls: list[Tensor], world: int) -> tuple[Tensor, list[tuple[in
         blocks.append(padded.reshape(world, -1))
         layouts.append((rows, full.shape[1:]))
     return torch.cat(blocks, dim=1), layouts
-
-
-def _dtensor_reduce_scatter(sharded: Tensor, full: Tensor) -> Tensor:
-    """This process's shard of the sum over processes of ``full``, for any placement (DTensor's redistribution)."""
-    from torch.distributed.tensor import DTensor, Partial
-
-    mesh = sharded.device_mesh
-    partial = DTensor.from_local(
-        full.contiguous(),
-        mesh,
-        [Partial("sum")] * mesh.ndim,
-        run_check=False,
-        shape=sharded.shape,
-        stride=sharded.stride(),
-    )
-    return partial.redistribute(mesh, sharded.placements).to_local()
 
 
 def local_tensor(t: Tensor) -> Tensor:

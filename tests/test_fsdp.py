@@ -274,7 +274,7 @@ class TestFSDP2:
 
 
 # ---------------------------------------------------------------------------------------------------- engine level
-# (model, batches, class of the blocks to shard, mode, clipping style, clipping function[, "dtensor"])
+# (model, batches, class of the blocks to shard, mode, clipping style, clipping function)
 ENGINE_CASES = [
     ("gpt2", "causal", "GPT2Block", "bk-mixopt", "all-layer", "abadi"),
     ("gpt2", "causal", "GPT2Block", "bk", "all-layer", "abadi"),
@@ -287,9 +287,6 @@ ENGINE_CASES = [
     ("llama", "causal", "LlamaDecoderLayer", "bk-mixopt", "all-layer", "abadi"),
     ("llama", "causal", "LlamaDecoderLayer", "bk", "layer-wise", "abadi"),
     ("bert_classifier", "classification", "BertLayer", "bk-mixopt", "all-layer", "abadi"),
-    # one DTensor redistribution per parameter instead of one flat reduce-scatter per FSDP group
-    ("gpt2", "causal", "GPT2Block", "bk-mixopt", "all-layer", "abadi", "dtensor"),
-    ("llama", "causal", "LlamaDecoderLayer", "bk", "layer-wise", "abadi", "dtensor"),
 ]
 
 
@@ -306,7 +303,7 @@ def _engine_case(case, rank, world):
     from hf_dp.engine import BookKeepingClipper
     from hf_dp.fsdp import FSDP2Clipping
 
-    name, data, block, mode, style, fn, *reduction = case
+    name, data, block, mode, style, fn = case
     builders = {
         "gpt2": models.gpt2,
         "gpt2_b_eq_t": models.gpt2,
@@ -335,7 +332,7 @@ def _engine_case(case, rank, world):
         if type(module).__name__ == block:
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    sharded = FSDP2Clipping(model, bucketed=reduction != ["dtensor"], clipped_in_backward=style != "all-layer")
+    sharded = FSDP2Clipping(model, clipped_in_backward=style != "all-layer")
     sharded.start()
     with sharded.collective_free():
         clipper = BookKeepingClipper(

@@ -37,6 +37,24 @@ class BackwardBookkeeping:
             full[positions[0]] = grad
             self._on_grad(use, full)
 
+    def _on_root_grad(self, use: Use, shape, grad: Tensor) -> None:
+        """The output hook of a closed-form call on the base of its output (a whole view of it, ``shape``)."""
+        self._on_grad(use, grad.view(shape) if grad.is_contiguous() else grad.reshape(shape))
+
+    def _check_unwritten(self, p: Pass) -> None:
+        """Before the backward pass: no hooked output whose hook an in-place write drops was written in place after
+        its module returned (its gradient would not reach the hook: a layer silently missing, DESIGN §19)."""
+        for use in p.uses:
+            written = any(t._version != v for t, v in use.versions)
+            use.versions = []
+            if written:
+                raise UnsupportedModuleError(
+                    f"The output of `{use.entry.name}` ({type(use.entry.module).__name__}) is written in place "
+                    "after the module returned it (e.g. `h /= 2`, `h[mask] = ...`): hf_dp would not see its output "
+                    "gradient. Make that write out of place in the caller (`h = h / 2`, `torch.where`), freeze "
+                    "the module's parameters, or give it a closed-form rule. Nothing was added to `p.grad`."
+                )
+
     def _on_grad(self, use: Use, grad) -> None:
         p = self._pass
         if p is None or p.phase is None:
@@ -147,13 +165,17 @@ class BackwardBookkeeping:
         the hooks (e.g. inside the loss, after the model's forward pass) and would leak an unclipped gradient."""
         if self.mode == "ghost" or p.grads_before is None:
             return
-        for q, stamp in p.grads_before.items():
-            if q in p.bypassed or grad_stamp(q) != stamp:
-                raise UnsupportedModuleError(
-                    f"Trainable parameter `{self._names()[1].get(q, '?')}` received a gradient from autograd during "
-                    "the backward pass: it is used outside the model's forward pass (e.g. in the loss), where its "
-                    "gradient would not be clipped. Compute the per-example loss from the model's outputs only."
-                )
+        bypassed = [q for q, stamp in p.grads_before.items() if q in p.bypassed or grad_stamp(q) != stamp]
+        if not bypassed:
+            return
+        for q in bypassed:
+            if p.grads_before[q][0] is None:  # autograd's un-clipped gradient must not stay there
+                q.grad = None
+        raise UnsupportedModuleError(
+            f"Trainable parameter `{self._names()[1].get(bypassed[0], '?')}` received a gradient from autograd during "
+            "the backward pass: it is used outside the model's forward pass (e.g. in the loss), where its gradient "
+            "would not be clipped. Compute the per-example loss from the model's outputs only."
+        )
 
     def _check_graph_for_bypass(self, loss: Tensor) -> None:
         """With activation checkpointing the parameters stay out of autograd from a region's recomputation to

@@ -38,7 +38,25 @@ from .probe import flatten_call, flatten_output
 from .rows import grad_layout
 from .state import Use
 
-__all__ = ["CallCapture", "Region"]
+__all__ = ["CallCapture", "Region", "storage_root"]
+
+
+def storage_root(t: Tensor) -> tuple[Tensor, torch.Size | None]:
+    """The tensor whose hook sees ``t``'s gradient even after an in-place write on ``t`` or on a view of it, and the
+    shape to view that gradient as (``None``: ``t`` itself). A hook on a view is dropped from the graph when the view
+    is written in place (autograd rebases the view on its base), a hook on a base survives it (it receives the
+    gradient of the value before the write). ``F.linear`` on a ``[B, T, d]`` input returns a view of its ``[B*T, p]``
+    result: such a whole, contiguous view is hooked through its base; other views keep their own hook."""
+    base = t._base
+    if (
+        base is None
+        or not base.requires_grad
+        or base.numel() != t.numel()
+        or base.storage_offset() != t.storage_offset()
+        or not (t.is_contiguous() and base.is_contiguous())
+    ):
+        return t, None
+    return base, t.shape
 
 
 @dataclass(eq=False)
@@ -238,7 +256,22 @@ class CallCapture:
 
     def _hook_outputs(self, use: Use, positions: list[int] | None, tensors: list[Tensor]) -> None:
         """The output hook of ``use`` on its hooked output tensors (``positions``: among the flattened outputs of a
-        fallback call; ``None`` for the one output of a closed-form call)."""
+        fallback call; ``None`` for the one output of a closed-form call).
+
+        A closed-form output is hooked on its storage root, whose hook survives the caller's in-place writes (a
+        standard layer does not use its own output). A hook that an in-place write could drop (on a fallback's alias,
+        or a view that is not a whole view of its base) is noted with the tensor's version, checked before the
+        backward pass."""
+        if positions is None:
+            target, shape = storage_root(tensors[0])
+            if shape is not None:
+                target.register_hook(functools.partial(self._on_root_grad, use, shape))
+                return
+            if target._base is not None:
+                use.versions.append((target, target._version))
+            target.register_hook(functools.partial(self._on_output_grad, use, None))
+            return
+        use.versions.extend((t, t._version) for t in tensors)
         if len(tensors) == 1:
             tensors[0].register_hook(functools.partial(self._on_output_grad, use, positions))
         elif tensors:
@@ -247,21 +280,27 @@ class CallCapture:
             )
 
     def _fallback_outputs(self, output, layout: CallLayout) -> tuple[list[int], list[Tensor], Any]:
-        """Positions and tensors to hook among the flattened outputs, and the output to return (``None``: keep)."""
+        """Positions and tensors to hook among the flattened outputs, and the output to return instead of the module's.
+
+        A module may use a tensor it returns (an MoE router routes with the logits it returns; eager attention
+        returns the weights it applies): that tensor's gradient then includes the internal use, which the fallback's
+        re-run differentiates again. So each hooked output is returned as an alias (a view) whose gradient is the
+        caller's alone (DESIGN §18). A caller's in-place write on it would drop the alias's hook from the graph: the
+        write is caught by its version counter before the backward pass (:meth:`_check_unwritten`)."""
         b = self._pass.size
         leaves, spec = tree_flatten(output)
-        positions, tensors, changed = [], [], False
+        positions, tensors = [], []
         for j, (leaf, lay) in enumerate(zip(leaves, layout.outputs, strict=True)):
             if lay is None:
                 continue
             if lay.broadcast:
-                leaf, changed = leaf.expand(b * lay.repeat, *leaf.shape[1:]), True
+                leaf = leaf.expand(b * lay.repeat, *leaf.shape[1:])
             if not leaf.requires_grad:
-                leaf, changed = leaf + self._origin(leaf), True
-            leaves[j] = leaf
+                leaf = leaf + self._origin(leaf)
+            leaves[j] = leaf = leaf.view_as(leaf)
             positions.append(j)
             tensors.append(leaf)
-        return positions, tensors, tree_unflatten(leaves, spec) if changed else None
+        return positions, tensors, tree_unflatten(leaves, spec) if positions else None
 
     def _closed_form_inputs(self, entry: HookedModule, module, args, kwargs, output) -> Captured:
         captured = entry.rule.capture(module, args, kwargs, output)

@@ -232,8 +232,9 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
         computes per-parameter per-example norms of ``per_example_loss(model, inputs)`` in a norms-only pass (no
         ``p.grad``, no clipper state touched); then each of the first ``num_examples`` examples runs alone (every
         batch tensor of ``inputs`` sliced to ``[i:i+1]``) through an ordinary backward pass with the clipper's hooks
-        standing aside. Tolerances are relative to the example's total norm: float64 1e-6, float32 1e-3,
-        bfloat16/float16 5e-2 (``hf_dp.engine.self_check.SELF_CHECK_TOLERANCE``).
+        standing aside. Every parameter is compared on its own: an error fails beyond float64 1e-6, float32 1e-3,
+        bfloat16/float16 5e-2 of the example's total norm, or beyond 1e-6, 1e-2, 2e-1 of the parameter's own norm
+        (above a round-off floor; :mod:`hf_dp.engine.self_check`), so a small parameter that is wrong fails too.
 
         Args:
             inputs (`dict`): a micro-batch, as ``per_example_loss`` takes it.
@@ -350,6 +351,7 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
                 "`prepare(loss, loss_scale=w)`.",
                 num_groups,
             )
+        self._check_unwritten(p)
         if p.regions and not keep_all and per_example_loss.requires_grad:
             self._check_graph_for_bypass(per_example_loss)
         if not self._support_checked and p.size > 1 and p.uses:
@@ -401,6 +403,15 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
         self._prepared, self._pass = False, None
         p.phase = None
         self._recompute_leave()
+        try:
+            return self._finish(p, per_example_loss, loss_scale)
+        except BaseException:
+            if self.mode == "ghost" and p.grads_before is not None:  # autograd's un-clipped sum must not stay there
+                for q in self._trainable:
+                    q.grad = p.grads_before.get(q)
+            raise
+
+    def _finish(self, p: Pass, per_example_loss: Tensor | None, loss_scale: float | None) -> Tensor:
         p.loss_scale = loss_scale if p.loss_scale is None else p.loss_scale
         scale = p.loss_scale or 1.0
         for origin in self._origins.values():

@@ -7,10 +7,11 @@ whose floating-point outputs are batched or broadcast (caches proven empty are l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..layers import LayerRule, Layout, UnsupportedModuleError
 from ..layers.base import autocast_like
@@ -112,27 +113,70 @@ class Layouts:
 
     A leaf that is a tensor in one run and not in the other (an attention mask built only when some example is
     padded) is read from the runs on ``[1, 0]`` and ``[1, 1, 0]`` instead, when a third run is given.
+
+    Calls are matched between runs among the calls of modules that hold a traced parameter (in their own subtree);
+    calls of other modules (activations, an MoE's per-expert gathers) may differ with the data, get no layout
+    (``MIXED``), and are never hooked. ``partner[i]``: the index in ``two`` of call ``i`` of ``one`` (``None`` for an
+    unmatched call).
     """
 
-    def __init__(self, one: ProbeRun, two: ProbeRun, three: ProbeRun | None = None) -> None:
-        if _signature(one) != _signature(two):
-            raise UnsupportedModuleError(
-                "The model calls different modules for one example and for two (data-dependent control flow), so "
-                "hf_dp cannot match the calls to prove where the examples are."
-            )
-        if three is not None and _signature(three) != _signature(two):
+    def __init__(
+        self, one: ProbeRun, two: ProbeRun, three: ProbeRun | None = None, names: dict[int, str] | None = None
+    ) -> None:
+        relevant = _relevance(one)
+        sig_one, sig_two = _signature(one, relevant), _signature(two, relevant)
+        if [key for key, _ in sig_one] != [key for key, _ in sig_two]:
+            raise UnsupportedModuleError(_control_flow_message(sig_one, sig_two, one, two, names or {}))
+        if three is not None and [k for k, _ in _signature(three, relevant)] != [k for k, _ in sig_two]:
             three = None
-        self.inputs: list[list] = []
-        self.outputs: list[list] = []
+        sig_three = _signature(three, relevant) if three is not None else None
+        self.partner: list[int | None] = [None] * len(one.calls)
+        self.inputs: list[list] = [[MIXED] * max(len(c.in_leaves), 1) for c in one.calls]
+        self.outputs: list[list] = [[MIXED] * max(len(c.out_leaves), 1) for c in one.calls]
         self.fallback_memo: dict[int, CallLayout | None] = {}
-        for i, (c1, c2) in enumerate(zip(one.calls, two.calls, strict=True)):
-            c3 = three.calls[i] if three is not None else None
-            self.inputs.append(_pairwise(c1.in_leaves, c2.in_leaves, c3.in_leaves if c3 else None))
-            self.outputs.append(_pairwise(c1.out_leaves, c2.out_leaves, c3.out_leaves if c3 else None))
+        for k, ((_, i), (_, j)) in enumerate(zip(sig_one, sig_two, strict=True)):
+            c1, c2 = one.calls[i], two.calls[j]
+            c3 = three.calls[sig_three[k][1]] if sig_three is not None else None
+            self.partner[i] = j
+            self.inputs[i] = _pairwise(c1.in_leaves, c2.in_leaves, c3.in_leaves if c3 else None)
+            self.outputs[i] = _pairwise(c1.out_leaves, c2.out_leaves, c3.out_leaves if c3 else None)
 
 
-def _signature(run: ProbeRun) -> list[tuple[int, int]]:
-    return [(id(c.module), c.ordinal) for c in run.calls]
+def _relevance(run: ProbeRun) -> Callable[[nn.Module], bool]:
+    """Whether a module holds a parameter the probe traced (anywhere in its subtree)."""
+    traced = set(run.traced) | {id(p) for p in run.uses}
+    memo: dict[int, bool] = {}
+
+    def relevant(module: nn.Module) -> bool:
+        key = id(module)
+        if key not in memo:
+            memo[key] = any(id(p) in traced for p in module.parameters())
+        return memo[key]
+
+    return relevant
+
+
+def _signature(run: ProbeRun, relevant: Callable[[nn.Module], bool]) -> list[tuple[tuple[int, int], int]]:
+    """``((module, ordinal), index)`` of the run's calls of relevant modules, in order."""
+    return [((id(c.module), c.ordinal), c.index) for c in run.calls if relevant(c.module)]
+
+
+def _control_flow_message(sig_one, sig_two, one: ProbeRun, two: ProbeRun, names: dict[int, str]) -> str:
+    """Which module's calls differ between the runs on one example and on two."""
+    k = next(
+        (k for k, (a, b) in enumerate(zip(sig_one, sig_two, strict=False)) if a[0] != b[0]),
+        min(len(sig_one), len(sig_two)),
+    )
+    differing = [one.calls[sig_one[k][1]].module] if k < len(sig_one) else []
+    differing += [two.calls[sig_two[k][1]].module] if k < len(sig_two) else []
+    shown = ", ".join(f"`{names.get(id(m), '?')}` ({type(m).__name__})" for m in differing)
+    return (
+        f"The model calls its modules with trainable parameters differently for one example and for two (first at "
+        f"{shown}; data-dependent control flow, e.g. an MoE that runs one expert module per expert hit): hf_dp cannot "
+        "match the calls to prove where the examples are. For MoE models use the fused experts "
+        '(`experts_implementation="grouped_mm"` or `"batched_mm"`, one module for all experts), or freeze those '
+        "modules' parameters."
+    )
 
 
 def needs_third_run(one: ProbeRun, two: ProbeRun) -> bool:

@@ -188,7 +188,7 @@ def build_plan(
 
     ``one``, ``two``, ``three``: probe runs on examples ``[0]``, ``[1, 0]`` and (optionally) ``[1, 1, 0]``.
     """
-    layouts = Layouts(one, two, three)
+    layouts = Layouts(one, two, three, names)
     calls_of: dict[int, list[CallRecord]] = {}
     for call in one.calls:
         calls_of.setdefault(id(call.module), []).append(call)
@@ -279,7 +279,9 @@ def build_plan(
     plan = Plan(hooked=final, calls={}, repeats=(1, *sorted(rows)))
     for entry in final:
         for call in calls_of.get(id(entry.module), []):
-            ref = two.calls[call.index]  # the shapes the layouts hold for (see `fits`)
+            if layouts.partner[call.index] is None:
+                continue
+            ref = two.calls[layouts.partner[call.index]]  # the shapes the layouts hold for (see `fits`)
             if entry.is_fallback:
                 layout = fallback_layout(call, layouts)
                 if layout is not None:

@@ -142,6 +142,7 @@ class ProbeRun:
     calls: list[CallRecord]
     uses: dict[nn.Parameter, list[int]]
     output: Any
+    traced: frozenset[int] = frozenset()  # ids of the parameters whose uses were recorded
 
 
 @contextlib.contextmanager
@@ -226,7 +227,7 @@ def run_probe(
     finally:
         for handle in handles:
             handle.remove()
-    return ProbeRun(calls, uses, output)
+    return ProbeRun(calls, uses, output, frozenset(params))
 
 
 def infer_layout(one, two, sizes: tuple[int, int] = (1, 2)):

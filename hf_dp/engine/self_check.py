@@ -5,10 +5,17 @@ per-example loss, the model's wiring, cross terms of shared weights) is only che
 examples of a real micro-batch, in eval mode, the engine's per-parameter per-example norms are compared with those of
 an ordinary backward pass on each example alone (DESIGN §4.17).
 
-Tolerance (``SELF_CHECK_TOLERANCE``), relative to the example's total gradient norm: float64 ``1e-6``; float32
-``1e-3`` (the batched and the one-example forward round differently); bfloat16 and float16 ``5e-2`` (their forward
-passes differ by a few units of an 8- or 11-bit mantissa). The lowest precision among the trainable parameters sets
-it, or the autocast dtype when autocast is on.
+Every parameter is checked on its own (DESIGN §19): a parameter whose norm is a small share of the total (an MoE
+router) can be 100% wrong while the total is within any tolerance. A parameter fails when its error exceeds
+``SELF_CHECK_TOLERANCE`` of the example's total norm, or ``PARAMETER_TOLERANCE`` of the parameter's own norm (the
+round-off of its own gradient) where that is above ``ROUNDOFF_FLOOR`` of the total (a gradient that is zero in theory,
+e.g. an attention key bias, is round-off on both sides).
+
+Tolerances, by the lowest precision among the trainable parameters (or the autocast dtype when autocast is on):
+of the total, float64 ``1e-6``, float32 ``1e-3`` (the batched and the one-example forward round differently),
+bfloat16 and float16 ``5e-2`` (a few units of an 8- or 11-bit mantissa); of the parameter's own norm, ``1e-6``,
+``1e-2`` and ``2e-1``, floored at ``1e-9``, ``1e-5`` and ``1e-2`` of the total. A doubled or halved parameter is off by
+50-100% of its own norm: it fails at any share of the total above the floor.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from ..layers import UnsupportedModuleError
 from .batch import root_batch, slice_batch
 from .probe import frozen_rng
 
-__all__ = ["SELF_CHECK_TOLERANCE", "SelfCheckError", "self_check"]
+__all__ = ["PARAMETER_TOLERANCE", "ROUNDOFF_FLOOR", "SELF_CHECK_TOLERANCE", "SelfCheckError", "self_check"]
 
 #: Relative tolerance of the self-check per parameter dtype (see the module docstring).
 SELF_CHECK_TOLERANCE: dict[torch.dtype, float] = {
@@ -33,16 +40,38 @@ SELF_CHECK_TOLERANCE: dict[torch.dtype, float] = {
 }
 
 
+#: Tolerance relative to the parameter's own norm (see the module docstring).
+PARAMETER_TOLERANCE: dict[torch.dtype, float] = {
+    torch.float64: 1e-6,
+    torch.float32: 1e-2,
+    torch.bfloat16: 2e-1,
+    torch.float16: 2e-1,
+}
+#: The floor of the per-parameter tolerance, relative to the example's total norm.
+ROUNDOFF_FLOOR: dict[torch.dtype, float] = {
+    torch.float64: 1e-9,
+    torch.float32: 1e-5,
+    torch.bfloat16: 1e-2,
+    torch.float16: 1e-2,
+}
+
+
 class SelfCheckError(UnsupportedModuleError):
     """The engine's per-example gradients disagree with plain autograd: a layer rule is wrong for this model."""
 
 
-def _tolerance(params: list[nn.Parameter]) -> float:
+def _tolerances(params: list[nn.Parameter]) -> tuple[float, float, float]:
+    """(of the total, of the parameter's own norm, the floor of the latter) for the lowest precision in use."""
     dtypes = {p.dtype for p in params}
     for device in {p.device.type for p in params}:
         if torch.is_autocast_enabled(device):  # the forward computes in the autocast dtype
             dtypes.add(torch.get_autocast_dtype(device))
-    return max((SELF_CHECK_TOLERANCE.get(d, 5e-2) for d in dtypes), default=1e-6)
+    dtype = max(dtypes, key=lambda d: SELF_CHECK_TOLERANCE.get(d, 5e-2), default=torch.float64)
+    return (
+        SELF_CHECK_TOLERANCE.get(dtype, 5e-2),
+        PARAMETER_TOLERANCE.get(dtype, 2e-1),
+        ROUNDOFF_FLOOR.get(dtype, 1e-2),
+    )
 
 
 def self_check(
@@ -87,7 +116,7 @@ def self_check(
         finally:
             for m, flag in flags:
                 m.training = flag
-    tol = _tolerance(trainable)
+    tol, own_tol, floor = _tolerances(trainable)
     worst, problems = 0.0, []
     for i, ref in enumerate(reference):
         total = sum(v * v for v in ref.values()) ** 0.5
@@ -96,17 +125,19 @@ def self_check(
         worst = max(worst, abs(got_total - total) / scale)
         for p in trainable:
             got = float(engine[p][i]) if p in engine else 0.0
-            err = abs(got - ref[p]) / scale
-            worst = max(worst, err)
-            if err > tol:
-                problems.append((err, f"`{names[p]}` (example {i}: engine {got:.6g}, autograd {ref[p]:.6g})"))
+            diff = abs(got - ref[p])
+            worst = max(worst, diff / scale)
+            if diff > min(tol * scale, max(own_tol * ref[p], floor * scale)):
+                own = max(ref[p], floor * scale)
+                problems.append((diff / own, f"`{names[p]}` (example {i}: engine {got:.6g}, autograd {ref[p]:.6g})"))
     if problems:
         problems.sort(key=lambda x: -x[0])
         shown = "; ".join(text for _, text in problems[:5])
         more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
         raise SelfCheckError(
             f"Self-check failed: the engine's per-example gradient norms differ from per-example autograd by up to "
-            f"{problems[0][0]:.2e} of the example's norm (tolerance {tol:.0e}) for {shown}{more}. A layer rule is "
+            f"{problems[0][0]:.2e} of the parameter's own norm (tolerance {own_tol:.0e}, and {tol:.0e} of the "
+            f"example's norm) for {shown}{more}. A layer rule is "
             "wrong for this model: register a correct rule with `hf_dp.layers.register_rule(..., override=True)` "
             "or remove the wrong one so the torch.func fallback is used, and report the model."
         )

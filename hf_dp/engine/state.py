@@ -50,6 +50,7 @@ class Use:
     reentrant: bool = False  # its region is reentrant: ``region`` is the region's node, its output hook comes with it
     pending_grad: Any = None  # an output gradient that arrived before the recomputation
     processed: bool = False  # its per-example gradients are book-kept
+    versions: list = field(default_factory=list)  # (hooked tensor, version) until prepare(): a write drops its hook
 
 
 @dataclass(eq=False)

@@ -27,13 +27,14 @@ import torch
 from oracle import oracle_clipped
 from torch import Tensor, nn
 
+import hf_dp
 from hf_dp import BookKeepingClipper
 
 MODES = ("bk", "bk-mixopt", "per-sample", "ghost")
 EXACT = "exact"
 REFUSED = "refused: "
 LossFn = Callable[[nn.Module, dict], Tensor]
-_HF_DP_DIR = os.sep + "hf_dp" + os.sep
+_HF_DP_PACKAGE = os.path.dirname(os.path.abspath(hf_dp.__file__)) + os.sep  # the package, not any folder named hf_dp
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def project(y: Tensor, batch_dim: int = 0) -> Tensor:
 
 def _raised_by_hf_dp(err: BaseException) -> bool:
     frames = traceback.extract_tb(err.__traceback__)
-    return bool(frames) and _HF_DP_DIR in frames[-1].filename
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_HF_DP_PACKAGE)
 
 
 def _refusal(err: BaseException) -> str:

@@ -53,6 +53,37 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
         ["models:bart-tied", "models:mbart"],
     ),
     (
+        "Mixture of experts (Mixtral, Qwen2-MoE): routers, shared experts, fused (`grouped_mm`) or eager experts",
+        f"exact: {ALL} (grouped_mm runs in float32 only: checked there at 2e-4; eager experts in float64)",
+        "routers and fused experts: fallback on their modules, each output returned as an alias (a router routes with "
+        "the logits it returns: that use is counted once); eager experts' data-dependent per-expert calls are not "
+        "matched between sub-batches (only calls of modules with trainable parameters are)",
+        [
+            "test_engine_uses::test_moe_with_fused_experts_float32",
+            "test_engine_uses::test_moe_with_eager_experts_float64",
+        ],
+    ),
+    (
+        "PEFT LoRA `all-linear` on MoE routers and 3-D expert tensors (`ParamWrapper`, nested)",
+        f"exact: {ALL}",
+        "fallback on the outermost wrapper of a chain whose inner re-run alone differs (it reads the outer's patch)",
+        ["test_engine_uses::test_lora_on_moe_routers_and_experts"],
+    ),
+    (
+        "Modules that use a tensor they return (routers, eager attention weights), outputs written in place by the "
+        "caller (`h /= 2`, `h[:, 0] = 0`)",
+        f"exact: {ALL}",
+        "fallback outputs returned as aliases whose gradient is the caller's alone; closed-form outputs hooked on "
+        "their storage root, whose hook survives in-place writes; a write on a fallback's alias refused before the "
+        "backward pass, `p.grad` untouched",
+        [
+            "test_engine_uses::test_module_that_uses_an_output_it_returns",
+            "test_engine_uses::test_caller_writes_a_closed_form_output_in_place",
+            "test_engine_uses::test_write_on_a_fallback_output_is_refused_and_p_grad_untouched",
+            "test_engine_uses::test_t5_attention_weights_returned_and_applied",
+        ],
+    ),
+    (
         "T5 with trainable relative attention bias",
         f"exact: {ALL}, with dropout",
         "bias: fallback on the first attention module of each stack (re-run per example), its `[1, h, q, k]` "

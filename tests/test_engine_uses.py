@@ -254,7 +254,7 @@ def _exact_per_parameter(model, batches, loss_fn, mode, rel):
     clipper.remove()
 
 
-@pytest.mark.parametrize("mode", ["bk", "bk-mixopt", "per-sample"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
 def test_moe_with_fused_experts_float32(mode, model_type):
     """transformers' default grouped_mm experts run in float32 only: routers and experts exact per parameter."""
@@ -301,3 +301,21 @@ def test_t5_attention_weights_returned_and_applied(float64, mode, attn):
     labels, label_mask = padded_ids([3, 2, 3], 3, seed=2)
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels.masked_fill(label_mask == 0, -100)}
     check_clipper(copy.deepcopy(model), [batch], _t5_loss, mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lora_on_moe_routers_and_experts(float64, mode):
+    """peft's `all-linear` wraps the router and each 3-D expert tensor in a `ParamWrapper` (the experts' two
+    wrappers nested): the inner wrapper's re-run alone would miss the outer's patch, so the outer one covers both."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        _moe("mixtral", "eager").double(), LoraConfig(r=2, lora_alpha=4, target_modules="all-linear")
+    )
+    wrapped = {type(m).__name__ for m in model.modules()}
+    assert "ParamWrapper" in wrapped
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if p.requires_grad and "lora_B" in name:
+            nn.init.normal_(p, std=0.1)  # peft starts B at 0: the A gradients would vanish
+    check_clipper(model, [_lm_batch(), _lm_batch()], causal_loss, mode=mode)

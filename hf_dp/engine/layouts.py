@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from ..layers import LayerRule, Layout, UnsupportedModuleError
 from ..layers.base import autocast_like
-from .probe import MIXED, CallRecord, ProbeRun, flatten_output, infer_layout, same_values
+from .probe import MIXED, CallRecord, ProbeRun, eval_mode, flatten_output, infer_layout, same_values
 
 try:
     from transformers.cache_utils import Cache
@@ -252,6 +252,25 @@ def _runs_without_state(call: CallRecord, drop: tuple[int, ...]) -> bool:
         if isinstance(y, Tensor) and (not isinstance(x, Tensor) or not same_values(x, y)):
             return False
     return True
+
+
+def reruns_alone(call: CallRecord) -> bool:
+    """Whether the call, re-run on its own inputs outside the call that made it, gives the output it gave there (in
+    eval mode, as the probe ran)."""
+    leaves = [x for x in call.in_leaves if _is_state(x)]
+    if leaves:
+        return False
+    try:
+        with torch.no_grad(), autocast_like(call.autocast), eval_mode(call.module):
+            again = flatten_output(call.module(*call.args, **call.kwargs))
+    except Exception:  # noqa: BLE001  (it cannot run alone)
+        return False
+    if len(again) != len(call.out_leaves):
+        return False
+    return all(
+        not isinstance(y, Tensor) or (isinstance(x, Tensor) and same_values(x, y))
+        for x, y in zip(again, call.out_leaves, strict=True)
+    )
 
 
 def fallback_layout(call: CallRecord, layouts: Layouts) -> CallLayout | None:

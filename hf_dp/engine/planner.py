@@ -42,6 +42,7 @@ from .layouts import (
     is_float,
     leaf_shapes,
     needs_third_run,
+    reruns_alone,
 )
 from .probe import CallRecord, ProbeRun, same_values, tolerance
 from .rows import closed_form_grads
@@ -174,6 +175,52 @@ def _choose_rule(entry: HookedModule, calls: list[CallRecord], layouts: Layouts)
     return FALLBACK_RULE
 
 
+def _merge_nested_fallbacks(
+    one: ProbeRun,
+    entries: list[HookedModule],
+    promoted: dict[int, HookedModule],
+    chosen: dict[nn.Parameter, set[int]],
+    names: dict[int, str],
+) -> None:
+    """A fallback whose every call is made directly by another fallback's call (a wrapper around a wrapper), and
+    whose call re-run alone gives another output than it gave inside that call, hands its parameters to the outermost
+    fallback of the chain: its own re-run would miss what the enclosing call set up around it (peft's
+    ``ParamWrapper`` on MoE experts patches the expert tensors that the wrapper inside it reads), while the outer
+    re-run replays both calls."""
+    fallback = {id(e.module): e for e in entries if e.is_fallback} | {k: e for k, e in promoted.items()}
+    calls_of: dict[int, list[CallRecord]] = {}
+    for call in one.calls:
+        calls_of.setdefault(id(call.module), []).append(call)
+    for key, inner in list(fallback.items()):
+        outers = set()
+        for call in calls_of.get(key, []):
+            outer, parent = None, call.parent
+            while parent is not None and id(one.calls[parent].module) in fallback:
+                outer = id(one.calls[parent].module)
+                parent = one.calls[parent].parent
+            outers.add(outer)
+        if len(outers) != 1 or None in outers or all(reruns_alone(c) for c in calls_of.get(key, [])[:1]):
+            continue
+        (outer_key,) = outers
+        moved = [p for p, ids in chosen.items() if id(inner) in ids]
+        if not moved:
+            continue
+        target = promoted.get(outer_key)
+        if target is None:
+            module = fallback[outer_key].module
+            target = promoted[outer_key] = HookedModule(
+                names.get(outer_key, type(module).__name__), module, FALLBACK_RULE, []
+            )
+        for p in moved:
+            chosen[p] = (chosen[p] - {id(inner)}) | {id(target)}
+            if not any(q is p for q in target.params):
+                target.params.append(p)
+        if promoted.get(key) is inner:
+            inner.params = [p for p in inner.params if not any(p is q for q in moved)]
+            if not inner.params:
+                del promoted[key]
+
+
 def build_plan(
     static: list[HookedModule],
     one: ProbeRun,
@@ -238,6 +285,8 @@ def build_plan(
             if coverer is None:
                 raise _uncovered(p, one.calls[index], owner, layouts, names, param_names, allow_fallback)
             chosen.setdefault(p, set()).add(id(coverer))
+
+    _merge_nested_fallbacks(one, entries, promoted, chosen, names)
 
     # entries keep the parameters they were chosen for (and those no probe call used)
     final: list[HookedModule] = []

@@ -11,6 +11,8 @@ from transformers.trainer_callback import ExportableState
 
 from .accounting import PrivacyAccountant
 from .accounting.methods import segments_epsilon
+from .ledger import PrivacyLedger
+from .privacy_plan import DPPlan
 from .release import release_state
 
 logger = logging.getLogger(__name__)
@@ -30,8 +32,15 @@ class DPCallback(TrainerCallback, ExportableState):
     noise and sampling seeds never reach it (DESIGN §4 rule 14). It acts on training only through ``control``.
 
     The run's settings (``noise_multiplier``, ``sample_rate``, ``delta``, ``accountant``, ``epsilon_budget``) are set
-    by the trainer with :meth:`configure` before every ``train()``; they are not saved, so a callback rebuilt from a
-    checkpoint never accounts future steps with the checkpoint's settings.
+    by the trainer with :meth:`configure` before every ``train()``, from the run's frozen plan; they are not saved, so a
+    callback rebuilt from a checkpoint never accounts future steps with the checkpoint's settings. With the frozen
+    plan, the callback checks at every optimizer step (begin and end) and at the end of training that the arguments'
+    privacy settings still are the plan's (:meth:`DPPlan.check_unchanged`), and it appends every recorded step to the
+    run's privacy ledger (:class:`~hf_dp.ledger.PrivacyLedger`) when it records it (``fsync``-ed at saves and at the
+    end of training).
+
+    Saved with checkpoints besides the history: ``run_id`` (the run's identity in the ledger) and
+    ``data_fingerprint`` (:func:`~hf_dp.ledger.data_fingerprint` of the training set), which a resume checks.
     """
 
     def __init__(self) -> None:
@@ -41,7 +50,11 @@ class DPCallback(TrainerCallback, ExportableState):
         self.num_examples: int | None = None
         self.draw_offset = 0
         self.plan: dict[str, Any] = {}
+        self.run_id: str | None = None
+        self.data_fingerprint: dict[str, Any] | None = None
         self._budget_steps: int | None = None
+        self._frozen: DPPlan | None = None
+        self._ledger: PrivacyLedger | None = None
 
     def configure(
         self,
@@ -52,14 +65,22 @@ class DPCallback(TrainerCallback, ExportableState):
         accountant: str,
         epsilon_budget: float | None,
         num_examples: int,
+        frozen_plan: DPPlan | None = None,
+        ledger: PrivacyLedger | None = None,
     ) -> None:
-        """This run's settings: sigma and q of future steps, delta, the headline accountant and the budget."""
+        """This run's settings: sigma and q of future steps, delta, the headline accountant and the budget; the frozen
+        plan the arguments are checked against while training (``None``: no check), and the ledger every recorded
+        step is appended to (``None``: none, e.g. on processes other than the main one)."""
         self.accountant.noise_multiplier = noise_multiplier
         self.accountant.sample_rate = sample_rate
         self.accountant.accountant = accountant
         self.delta = delta
         self.epsilon_budget = epsilon_budget
         self.num_examples = num_examples
+        self._frozen = frozen_plan
+        if ledger is not self._ledger and self._ledger is not None:
+            self._ledger.flush()
+        self._ledger = ledger
 
     # ------------------------------------------------------------------ state
     @property
@@ -87,13 +108,17 @@ class DPCallback(TrainerCallback, ExportableState):
                 "num_examples": self.num_examples,
                 "draw_offset": self.draw_offset,
                 "plan": self.plan,
+                "run_id": self.run_id,
+                "data_fingerprint": self.data_fingerprint,
             },
         }
+
+    _SAVED = ("history", "num_examples", "draw_offset", "plan", "run_id", "data_fingerprint")
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore the attributes saved by :meth:`state` (what the Trainer does when restoring callback states)."""
         for name, value in state.get("attributes", {}).items():
-            if name in ("history", "num_examples", "draw_offset", "plan"):
+            if name in self._SAVED:
                 setattr(self, name, value)
 
     # ------------------------------------------------------------------ privacy
@@ -103,8 +128,23 @@ class DPCallback(TrainerCallback, ExportableState):
         return self.accountant.steps
 
     def record_step(self, *, noise_multiplier: float, sample_rate: float) -> None:
-        """One noisy step with these settings (called where the noise is added)."""
+        """One noisy step with these settings (called where the noise is added), appended to the ledger at once:
+        before the optimizer applies it, so no model anybody sees can come from a step the ledger lacks."""
+        if self._ledger is not None:
+            self._ledger.record(self.steps, noise_multiplier, sample_rate)
+            self._ledger.flush()
         self.accountant.step(1, noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+
+    def check_settings(self, args, step: int | None = None) -> None:
+        """Raise :class:`~hf_dp.privacy_plan.FrozenSettingsError` if the privacy settings of ``args`` are no longer
+        those of the run's frozen plan (no-op outside ``train()``)."""
+        if self._frozen is not None:
+            self._frozen.check_unchanged(args, step=step)
+
+    def flush_ledger(self, *, sync: bool = False) -> None:
+        """Write the recorded steps not yet in the ledger."""
+        if self._ledger is not None:
+            self._ledger.flush(sync=sync)
 
     def epsilon(self, accountant: str | None = None) -> float:
         """Epsilon spent so far (``math.inf`` with zero noise)."""
@@ -159,7 +199,12 @@ class DPCallback(TrainerCallback, ExportableState):
             control.should_training_stop = True
         return control
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.check_settings(args, state.global_step + 1)  # before any micro-batch of the step
+        return control
+
     def on_step_end(self, args, state, control, **kwargs):
+        self.check_settings(args, state.global_step)
         if self._budget_steps is not None and self.steps >= self._budget_steps:
             if state.max_steps and state.global_step < state.max_steps:
                 logger.warning(
@@ -169,6 +214,15 @@ class DPCallback(TrainerCallback, ExportableState):
                     self.accountant.accountant,
                 )
             control.should_training_stop = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        self.flush_ledger(sync=True)
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.flush_ledger(sync=True)
+        self.check_settings(args)  # a change after the last step would still reach the card written after train()
         return control
 
     def __repr__(self) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 __all__ = ["EMPTY_BATCH_KEY", "PLACEHOLDER_KEY", "EmptyBatchSafeCollator", "is_empty_batch"]
@@ -16,11 +16,19 @@ PLACEHOLDER_KEY = "hf_dp_placeholder"
 
 class EmptyBatchSafeCollator:
     """Calls ``collator(features)``, or returns ``{EMPTY_BATCH_KEY: True}`` when ``features`` is empty (with
-    ``{PLACEHOLDER_KEY: collator(placeholder())}`` if ``placeholder`` is given)."""
+    ``{PLACEHOLDER_KEY: collator(placeholder())}`` if ``placeholder`` is given). With ``count_key``, a non-empty
+    batch that is a mutable mapping also carries ``len(features)`` under it: the number of examples the sampler put
+    in the micro-batch, which the trainer compares with the number of per-example losses (hf_dp.batch_checks)."""
 
-    def __init__(self, collator: Callable[[list], Any], placeholder: Callable[[], list] | None = None) -> None:
+    def __init__(
+        self,
+        collator: Callable[[list], Any],
+        placeholder: Callable[[], list] | None = None,
+        count_key: str | None = None,
+    ) -> None:
         self.collator = collator
         self.placeholder = placeholder
+        self.count_key = count_key
 
     def __call__(self, features: list) -> Any:
         if len(features) == 0:
@@ -28,7 +36,10 @@ class EmptyBatchSafeCollator:
             if self.placeholder is not None:
                 empty[PLACEHOLDER_KEY] = self.collator(self.placeholder())
             return empty
-        return self.collator(features)
+        batch = self.collator(features)
+        if self.count_key is not None and isinstance(batch, MutableMapping):
+            batch[self.count_key] = len(features)
+        return batch
 
 
 def is_empty_batch(inputs: Any) -> bool:

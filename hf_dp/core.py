@@ -13,7 +13,7 @@ book-keeping hooks live only while ``train()`` runs; afterwards the model is a p
 from __future__ import annotations
 
 import contextlib
-import json
+import copy
 import logging
 import math
 import os
@@ -28,16 +28,29 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint, seed_wo
 from transformers.utils import is_datasets_available
 
 from .arguments import DPArgumentsMixin, DPTrainingArguments
+from .batch_checks import NUM_EXAMPLES_KEY, MicroBatchChecks
 from .callback import DPCallback
-from .checks import check_before_init, check_train_dataset, dp_arguments
+from .checks import check_before_init, check_train_dataset, check_train_start, dp_arguments
 from .collators import PLACEHOLDER_KEY, EmptyBatchSafeCollator, is_empty_batch
 from .distributed import all_reduce_sum_, any_process, broadcast_from_main
 from .engine import BookKeepingClipper
 from .epsilon_plot import plot_epsilon_curve
+from .eval_overlap import check_eval_selection, eval_card_fields
 from .fsdp import FSDP2Clipping, local_tensor
+from .ledger import (
+    KEY_NAME,
+    LEDGER_NAME,
+    PrivacyLedger,
+    check_checkpoint_dp_state,
+    data_fingerprint,
+    fingerprint_key,
+    history_steps,
+    ledger_history,
+    new_run_id,
+)
 from .loss_scale import NoisedOverflowScalePolicy
 from .losses import LABEL_NAMES, infer_loss_type, per_example_loss
-from .model_card import DP_TAGS, DPModelCardData, render_dp_section, write_dp_model_card
+from .model_card import DPModelCardData, card_tags, render_dp_section, write_dp_model_card
 from .noise import NoiseSource
 from .privacy_plan import DPPlan, resolve_plan
 from .release import release_state, released_log_history, released_metrics, unreleased_log_keys
@@ -55,7 +68,7 @@ EPSILON_PLOT = "epsilon.png"
 class DPTrainerMixin:
     """The DP core of :class:`~hf_dp.DPTrainer` and :class:`~hf_dp.DPSeq2SeqTrainer` (use those)."""
 
-    _tag_names = DP_TAGS
+    # No `_tag_names`: TRL's trainers tag the model with it at init; the DP tags go only where the DP card is written.
     #: The arguments class this trainer takes.
     _dp_arguments_class: type = DPTrainingArguments
     loss_is_scaled_for_ga = True  # compute_loss returns sum_i loss_i / L: nothing to divide by accumulation
@@ -77,7 +90,15 @@ class DPTrainerMixin:
         preprocess_logits_for_metrics=None,
     ) -> None:
         args = dp_arguments(args, self._dp_arguments_class)
-        check_before_init(model, args, train_dataset, model_init)
+        check_before_init(
+            model,
+            args,
+            train_dataset,
+            model_init,
+            data_collator=data_collator,
+            optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+        )
         super().__init__(
             model=model,
             args=args,
@@ -107,6 +128,8 @@ class DPTrainerMixin:
         self._dp_step_active = False
         self._per_example_loss_seen = False
         self._needs_self_check = False
+        self._batch_checks: MicroBatchChecks | None = None  # what reaches the model is what was sampled (train())
+        self._sampled_examples: int | None = None  # examples the sampler put in the current micro-batch
         self._in_train = False
         self._sharded: FSDP2Clipping | None = None  # FSDP2: set at the first step, on the sharded model
         self._loss_weight = 1.0  # 0 for the placeholder an FSDP2 rank runs for its empty micro-batch
@@ -118,8 +141,6 @@ class DPTrainerMixin:
         release_state(self.state, args.publish_training_metrics)
         if train_dataset is not None:  # bad settings fail now, not after the model is loaded on every GPU
             self._dp_plan = self._resolve_plan()
-        if hasattr(self.model, "add_model_tags"):
-            self.model.add_model_tags(self._tag_names)
 
     # ------------------------------------------------------------------ the plan
     def _resolve_plan(self, *, past=(), saved=None, steps_done: int = 0) -> DPPlan:
@@ -155,11 +176,11 @@ class DPTrainerMixin:
             "delta": plan.delta,
             "target_epsilon": plan.target_epsilon,
             "accountant": plan.accountant,
-            "max_grad_norm": self.args.per_sample_max_grad_norm,
-            "clipping_mode": self.args.clipping_mode,
-            "clipping_style": self.args.clipping_style,
-            "clipping_fn": self.args.clipping_fn,
-            "secure_mode": self.args.secure_mode,
+            "max_grad_norm": plan.max_grad_norm,
+            "clipping_mode": plan.clipping_mode,
+            "clipping_style": plan.clipping_style,
+            "clipping_fn": plan.clipping_fn,
+            "secure_mode": plan.secure_mode,
             "steps_taken": self.dp_callback.steps,
             "epsilon": self.dp_callback.epsilon(plan.accountant) if self.dp_callback.delta else 0.0,
         }
@@ -200,7 +221,9 @@ class DPTrainerMixin:
             # FSDP2: every rank runs every micro-batch (their collectives are shared), so an empty one runs the first
             # example with loss weight 0 (it adds exactly nothing).
             "collate_fn": EmptyBatchSafeCollator(
-                collator, placeholder=partial(_first_example, dataset) if self.is_fsdp_enabled else None
+                collator,
+                placeholder=partial(_first_example, dataset) if self.is_fsdp_enabled else None,
+                count_key=NUM_EXAMPLES_KEY,  # checked against the per-example losses (hf_dp.batch_checks)
             ),
             "num_workers": self.args.dataloader_num_workers,
             "pin_memory": self.args.dataloader_pin_memory,
@@ -297,6 +320,8 @@ class DPTrainerMixin:
         with self._failing_together():
             outputs = model(**self._model_inputs(model, inputs))
             per_example = self.compute_per_example_loss(outputs, inputs)
+            if self._batch_checks is not None:  # one loss per sampled example (shape[0] is on the host: no sync)
+                self._batch_checks.after_loss(per_example, self._sampled_examples)
             if self._loss_weight != 1.0:
                 per_example = per_example * self._loss_weight
             self.clipper.prepare(per_example, loss_scale=self._loss_scale())
@@ -358,7 +383,7 @@ class DPTrainerMixin:
         # FSDP2 (hf_dp.fsdp): the clipper is built on the sharded model; a micro-batch in which any process may run
         # passes of the engine's own runs with the whole model on every process, so that they start no collective.
         if self._sharded is None:
-            self._sharded = FSDP2Clipping(model, clipped_in_backward=self.args.clipping_style != "all-layer")
+            self._sharded = FSDP2Clipping(model, clipped_in_backward=self.dp_plan.clipping_style != "all-layer")
         self._sharded.start()
         size = 1 if PLACEHOLDER_KEY in inputs else (0 if is_empty_batch(inputs) else _batch_size(inputs))
         planning = self.clipper is None or self.clipper.needs_own_passes(size) or self._needs_self_check
@@ -394,6 +419,15 @@ class DPTrainerMixin:
         if is_empty_batch(inputs):  # a Poisson batch can be empty: no gradient, but the step still counts
             loss = torch.zeros((), device=self.args.device)
         else:
+            # What reaches the model is what was sampled (hf_dp.batch_checks): take the sampled count out of the batch
+            # and refuse a packed micro-batch, before the self-check and the backward.
+            checks = self._batch_checks or MicroBatchChecks(self.data_collator)
+            try:
+                self._sampled_examples = checks.before_forward(inputs) if placeholder is None else None
+            except ValueError as error:
+                if self._sharded is None:
+                    raise
+                self._deferred_error = error  # FSDP2: raised with the other processes, in compute_loss
             if self._needs_self_check and placeholder is None:
                 try:
                     self._self_check(inputs)
@@ -410,7 +444,7 @@ class DPTrainerMixin:
                 with no_sync:
                     loss = super().training_step(model, inputs, num_items_in_batch)
             finally:
-                self._dp_step_active, self._loss_weight = False, 1.0
+                self._dp_step_active, self._loss_weight, self._sampled_examples = False, 1.0, None
             if not self._per_example_loss_seen:
                 raise ValueError(
                     f"{type(self).__name__}.compute_loss was overridden and returned a loss that did not go through "
@@ -476,9 +510,12 @@ class DPTrainerMixin:
         """p.grad += w * N(0, sigma^2 C^2), so that after unscaling by K the update is the DP-SGD one,
         (sum + noise) / L; with fp16, ``dropped`` (the count of overflowed examples) += N(0, sigma^2), drawn from
         the same step's stream (one Gaussian mechanism: see hf_dp.loss_scale). The noise of step ``s`` comes from the
-        run's secret source (never written to disk)."""
-        sigma = self.dp_plan.noise_multiplier
-        std = scale * sigma * self.args.per_sample_max_grad_norm
+        run's secret source (never written to disk). sigma and C are the frozen plan's, never the arguments' (a change
+        to the arguments during the run raises here, before any noise of the step)."""
+        plan = self.dp_plan
+        self.dp_callback.check_settings(self.args, self.state.global_step + 1)
+        sigma = plan.noise_multiplier
+        std = scale * sigma * plan.max_grad_norm
         if std == 0:
             return
         by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -511,26 +548,46 @@ class DPTrainerMixin:
         raise RuntimeError("The DPCallback was removed from this trainer; it holds the privacy accountant.")
 
     def _configure_dp_callback(self) -> None:
-        plan = self.dp_plan
-        self.dp_callback.configure(
+        """The callback's settings from the frozen plan (the arguments are checked against it at every step); inside
+        ``train()`` (once the training set is fingerprinted), the run's identity and its privacy ledger (written by the
+        main process only)."""
+        plan, callback = self.dp_plan, self.dp_callback
+        fingerprint = getattr(self, "_data_fingerprint", None)
+        if callback.run_id is None:
+            callback.run_id = new_run_id()
+        ledger = None
+        if fingerprint is not None:
+            callback.data_fingerprint = fingerprint
+            if self.is_world_process_zero():
+                ledger = PrivacyLedger(self.args.output_dir, callback.run_id, fingerprint)
+        callback.configure(
             noise_multiplier=plan.noise_multiplier,
             sample_rate=plan.sample_rate,
             delta=plan.delta,
             accountant=plan.accountant,
             epsilon_budget=plan.target_epsilon,
             num_examples=plan.num_examples,
+            frozen_plan=plan,
+            ledger=ledger,
         )
-        self.dp_callback.plan = plan.saved()
+        callback.plan = plan.saved()
 
     def _load_callback_state(self) -> None:
         """The Trainer's restore of callback states (``restore_callback_states_from_checkpoint``) rebuilds the
-        DPCallback from the checkpoint; it then gets this run's settings, never the checkpoint's."""
+        DPCallback from the checkpoint; it keeps what ``train()`` resolved from it (the history: the larger of the
+        checkpoint's and the ledger's; the draw offset; the run and data identity) and gets this run's settings,
+        never the checkpoint's."""
+        before = self.dp_callback
         super()._load_callback_state()
+        after = self.dp_callback
+        if after is not before:
+            for name in DPCallback._SAVED:
+                setattr(after, name, copy.deepcopy(getattr(before, name)))
         self._configure_dp_callback()
 
     def epsilon(self, accountant: str | None = None) -> float:
         """Epsilon spent so far under ``accountant`` (default: ``args.accountant``)."""
-        return self.dp_callback.epsilon(accountant or self.args.accountant)
+        return self.dp_callback.epsilon(accountant or self.dp_plan.accountant)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Adds ``epsilon`` and ``epsilon_<accountant>`` to every log (so they reach log_history and reporters), and
@@ -547,9 +604,10 @@ class DPTrainerMixin:
             logs["train_loss"] = float(total[0] / total[1]) if total[1] > 0 else math.nan
         if self.dp_callback.delta is not None:
             callback = self.dp_callback
-            logs["epsilon"] = callback.epsilon(self.args.accountant)
-            for name in self.args.epsilon_accountants:
-                logs[f"epsilon_{name}"] = logs["epsilon"] if name == self.args.accountant else callback.epsilon(name)
+            plan = self.dp_plan
+            logs["epsilon"] = callback.epsilon(plan.accountant)
+            for name in plan.epsilon_accountants:
+                logs[f"epsilon_{name}"] = logs["epsilon"] if name == plan.accountant else callback.epsilon(name)
         super().log(logs, start_time)
 
     def _reduce_loss(self, window: torch.Tensor) -> torch.Tensor:
@@ -559,34 +617,78 @@ class DPTrainerMixin:
         return reduced.cpu()
 
     def _restore_dp_state(self, checkpoint: str) -> int:
-        """Load the privacy spent from ``checkpoint``; returns its global step."""
-        with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as f:
-            trainer_state = json.load(f)
-        state = trainer_state.get("stateful_callbacks", {}).get(DPCallback.__name__)
-        if isinstance(state, list):
-            state = state[0]
-        if state is None:
-            raise ValueError(
-                f"Checkpoint {checkpoint} has no DPCallback state, so the privacy already spent is unknown. Resume "
-                "only from checkpoints written by a DP trainer."
+        """Load the privacy spent from ``checkpoint``; returns its global step.
+
+        The checkpoint's DP state is checked first (:func:`hf_dp.ledger.check_checkpoint_dp_state`: a missing or
+        invalid ``trainer_state.json``, a missing, edited or truncated DP state, or another training set are refused,
+        naming the checkpoint to resume from instead). The history is then the larger of the checkpoint's and the
+        privacy ledger's for the checkpoint's run: steps taken after the checkpoint (whose checkpoints were deleted by
+        ``save_total_limit``, or never written) were still taken on this data, and their models were logged or
+        evaluated, so epsilon never goes down across a resume."""
+        fingerprint = self._data_fingerprint
+        if self._fingerprint_key_new:  # the checkpoint's fingerprint has another folder's key: N is all we can compare
+            logger.warning(
+                "hf_dp: %s has no fingerprint key (%s) from the run that wrote %s: only the number of training "
+                "examples is checked against the checkpoint, not their content.",
+                self.args.output_dir,
+                KEY_NAME,
+                checkpoint,
             )
-        self.dp_callback.load_state(state)
-        saved_n = self.dp_callback.num_examples
-        current_n = len(self.train_dataset)
-        if saved_n is not None and saved_n != current_n:
-            raise ValueError(
-                f"Checkpoint {checkpoint} was trained on N={saved_n} examples and this run has N={current_n}. "
-                "Resuming on a different training set is a different mechanism from the one accounted so far. "
-                "Resume with the same `train_dataset`, or start a new run in a new `output_dir`."
+            fingerprint = {**fingerprint, "rows": None, "datasets": None}
+        trainer_state, attributes = check_checkpoint_dp_state(checkpoint, fingerprint)
+        callback = self.dp_callback
+        callback.load_state({"attributes": attributes})
+        saved = callback.steps
+        ledgers = [
+            os.path.join(self.args.output_dir, LEDGER_NAME),
+            os.path.join(os.path.dirname(os.path.normpath(checkpoint)), LEDGER_NAME),
+        ]
+        # Every process must resume with the same history (the main one's files; others may not see them).
+        recorded = broadcast_from_main([ledger_history(ledgers, callback.run_id)])[0]
+        extra = history_steps(recorded) - saved
+        if extra > 0:
+            logger.warning(
+                "hf_dp: the privacy ledger of this run (%s) records %d noisy steps, checkpoint %s only %d: %d steps "
+                "were taken after it (their checkpoints deleted, e.g. by `save_total_limit`, or never written). "
+                "Resuming with the ledger's %d steps, the larger of the two, so that epsilon accounts every step that "
+                "ran.",
+                ledgers[0],
+                saved + extra,
+                checkpoint,
+                saved,
+                extra,
+                saved + extra,
             )
+            callback.history = recorded
+            callback.plan = {}  # sigma is recalibrated (target_epsilon) for the larger past, never reused
+            # With a known sampling seed (tests), the steps after the checkpoint draw fresh batches, never those of
+            # the steps already taken after it (a replayed draw is not a fresh one: DESIGN §4 rule 15).
+            callback.draw_offset += extra
+        elif extra < 0 and self.is_world_process_zero():
+            # A ledger that lost lines (or a checkpoint copied from elsewhere): it gets the checkpoint's steps back.
+            backfill = PrivacyLedger(self.args.output_dir, callback.run_id, fingerprint)
+            index = 0
+            for sigma, q, steps in callback.history:
+                for _ in range(int(steps)):
+                    if index >= saved + extra:
+                        backfill.record(index, sigma, q)
+                    index += 1
+            backfill.flush(sync=True)
         return int(trainer_state.get("global_step", 0))
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """``Trainer.train`` with the privacy settings resolved first (restoring the privacy spent when resuming),
         the book-keeping hooks installed for its duration, and fresh secret seeds for the noise and the sampling."""
         check_train_dataset(self.train_dataset)
+        check_train_start(self)  # optimizers stepping inside the backward, grad hooks, dispatcher, packing collator
+        self._batch_checks = MicroBatchChecks(self.data_collator)
+        check_eval_selection(self)  # no checkpoint selection, early stopping or plateau schedule on the training data
         callback = self.dp_callback
         steps_done = 0
+        key, self._fingerprint_key_new = broadcast_from_main(
+            [fingerprint_key(self.args.output_dir) if self.is_world_process_zero() else None]
+        )[0]
+        self._data_fingerprint = data_fingerprint(self.train_dataset, key)  # checked on resume, written to the ledger
         if resume_from_checkpoint:
             checkpoint = resume_from_checkpoint
             if checkpoint is True:
@@ -626,30 +728,28 @@ class DPTrainerMixin:
         return TrainOutput(output.global_step, output.metrics.get("train_loss", output.training_loss), output.metrics)
 
     def _build_clipper(self, model: nn.Module, **kwargs) -> BookKeepingClipper:
+        """The clipper of the frozen plan (C, mode, style, function), never of the arguments."""
+        plan = self.dp_plan
         return BookKeepingClipper(
             model,
-            max_grad_norm=self.args.per_sample_max_grad_norm,
-            mode=self.args.clipping_mode,
+            max_grad_norm=plan.max_grad_norm,
+            mode=plan.clipping_mode,
             **self._clipping_policy_kwargs(),
             **kwargs,
         )
 
     def _clipping_policy_kwargs(self) -> dict[str, Any]:
-        args = self.args
-        kwargs = {"clipping_style": args.clipping_style, "clipping_fn": args.clipping_fn}
-        if args.clipping_fn == "automatic":
-            kwargs["gamma"] = args.automatic_clipping_gamma
-        return kwargs
+        return self.dp_plan.clipping_kwargs()
 
     def _clipping_details(self) -> str | None:
-        args = self.args
-        if args.clipping_style == "all-layer" and args.clipping_fn == "abadi":
+        plan = self.dp_plan
+        if plan.clipping_style == "all-layer" and plan.clipping_fn == "abadi":
             return None
-        style = args.clipping_style if isinstance(args.clipping_style, str) else f"{len(args.clipping_style)} groups"
+        style = plan.clipping_style if isinstance(plan.clipping_style, str) else f"{len(plan.clipping_style)} groups"
         fn = (
             "Abadi (min(1, C_g / norm))"
-            if args.clipping_fn == "abadi"
-            else (f"automatic (C_g / (norm + {args.automatic_clipping_gamma:g}))")
+            if plan.clipping_fn == "abadi"
+            else (f"automatic (C_g / (norm + {plan.automatic_clipping_gamma:g}))")
         )
         return f"{style}, each of the G groups clipped at C_g = C / sqrt(G); {fn}"
 
@@ -681,9 +781,9 @@ class DPTrainerMixin:
             plan.delta,
             target,
             plan.accountant.upper(),
-            self.args.per_sample_max_grad_norm,
-            self.args.clipping_mode,
-            ", secure_mode" if self.args.secure_mode else "",
+            plan.max_grad_norm,
+            plan.clipping_mode,
+            ", secure_mode" if plan.secure_mode else "",
             self.dp_callback.steps,
         )
         if self.args.noise_seed is not None:
@@ -700,10 +800,10 @@ class DPTrainerMixin:
         return super().save_state()
 
     def create_model_card(self, *args, **kwargs) -> None:
-        """``Trainer.create_model_card`` from the released log history only, plus the DP section and tags."""
+        """``Trainer.create_model_card`` from the released log history only, plus the DP section and its tags (set
+        by ``_write_dp_section``, the one place that adds the `differential-privacy` tag)."""
         tags = kwargs.pop("tags", None)
-        tags = [tags] if isinstance(tags, str) else list(tags or [])
-        kwargs["tags"] = tags + [t for t in DP_TAGS if t not in tags]
+        kwargs["tags"] = [tags] if isinstance(tags, str) else list(tags or [])
         history = self.state.log_history
         self.state.log_history = released_log_history(history, self.args.publish_training_metrics)
         try:
@@ -714,19 +814,41 @@ class DPTrainerMixin:
             self._write_dp_section(self.args.output_dir)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """``Trainer.save_model`` (the plain model or PEFT adapter, never a wrapper) plus the DP model card."""
+        """``Trainer.save_model`` (the plain model or PEFT adapter, never a wrapper) plus the DP model card of this
+        moment, in every folder that receives weights (checkpoints too: they are uploaded under ``hub_strategy``)."""
         super().save_model(output_dir, _internal_call=_internal_call)
-        if not _internal_call and self.is_world_process_zero():
+        if self.is_world_process_zero():
             self._write_dp_section(output_dir or self.args.output_dir)
 
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """``Trainer._push_from_checkpoint`` (``hub_strategy`` every_save, checkpoint, all_checkpoints), with the DP
+        card of this moment in both uploaded folders: the checkpoint's (written by ``save_model``) and ``output_dir``,
+        into which the Trainer copies the checkpoint's weights. Written only when the Trainer does upload (not while an
+        earlier upload of ``output_dir`` is still running), so the card always goes with the weights it describes."""
+        from transformers.trainer_utils import HubStrategy
+
+        in_progress = getattr(self, "push_in_progress", None)
+        if (
+            self.is_world_process_zero()
+            and self.args.hub_strategy != HubStrategy.END
+            and (self.args.hub_always_push or in_progress is None or in_progress.is_done())
+        ):
+            self._write_dp_section(self.args.output_dir)
+        super()._push_from_checkpoint(checkpoint_folder)
+
     def _write_dp_section(self, output_dir: str) -> None:
+        """The DP section of ``output_dir/README.md`` and hf_dp's tags: `differential-privacy` only with a finite
+        epsilon; without one (noise multiplier 0) the card says there is no guarantee, and there is no plot."""
         points = [(h["step"], h["epsilon"]) for h in self.state.log_history if "epsilon" in h and "step" in h]
         plot = None
-        if points and plot_epsilon_curve(
-            points, os.path.join(output_dir, EPSILON_PLOT), accountant=self.args.accountant
+        if (
+            points
+            and all(math.isfinite(eps) for _, eps in points)
+            and plot_epsilon_curve(points, os.path.join(output_dir, EPSILON_PLOT), accountant=self.dp_plan.accountant)
         ):
             plot = EPSILON_PLOT
-        write_dp_model_card(output_dir, self.dp_model_card_section(epsilon_plot=plot))
+        section = self.dp_model_card_section(epsilon_plot=plot)
+        write_dp_model_card(output_dir, section, tags=card_tags(self.epsilon()))
 
     def dp_model_card_section(self, epsilon_plot: str | None = None) -> str:
         """The "Differential privacy" section of the model card, for the privacy spent so far."""
@@ -734,7 +856,7 @@ class DPTrainerMixin:
         if self.dp_callback.delta is None:  # no train() yet: the card states the plan and zero steps
             self._configure_dp_callback()
         callback = self.dp_callback
-        names = sorted({self.args.accountant, *self.args.epsilon_accountants})
+        names = sorted({plan.accountant, *plan.epsilon_accountants})
         optimizer = self.optimizer
         while optimizer is not None and hasattr(optimizer, "optimizer"):  # accelerate's AcceleratedOptimizer wrapper
             optimizer = optimizer.optimizer
@@ -742,21 +864,22 @@ class DPTrainerMixin:
         return render_dp_section(
             DPModelCardData(
                 epsilons={name: callback.epsilon(name) for name in names},
-                accountant=self.args.accountant,
+                accountant=plan.accountant,
                 delta=plan.delta,
                 segments=[tuple(s) for s in callback.history] or [(plan.noise_multiplier, plan.sample_rate, 0)],
                 expected_batch_size=plan.expected_batch_size,
                 num_examples=plan.num_examples,
-                max_grad_norm=self.args.per_sample_max_grad_norm,
-                clipping_mode=self.args.clipping_mode,
+                max_grad_norm=plan.max_grad_norm,
+                clipping_mode=plan.clipping_mode,
                 clipping_details=self._clipping_details(),
-                poisson_sampling=self.args.poisson_sampling,
+                poisson_sampling=plan.poisson_sampling,
                 optimizer=type(optimizer).__name__ if optimizer is not None else str(self.args.optim),
-                secure_mode=self.args.secure_mode,
+                secure_mode=plan.secure_mode,
                 fixed_noise_seed=self.args.noise_seed is not None,
                 published_training_metrics=published,
                 audit=self.dp_audit_result,
                 epsilon_plot=epsilon_plot,
+                **eval_card_fields(self),
             )
         )
 

@@ -27,8 +27,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DP_TAGS",
+    "NO_GUARANTEE_TAGS",
     "DPModelCardData",
+    "card_tags",
     "format_bound",
+    "has_guarantee",
     "plot_epsilon_curve",
     "render_dp_section",
     "template_path",
@@ -36,7 +39,10 @@ __all__ = [
     "write_dp_model_card",
 ]
 
+#: Tags of a card that states a differential-privacy guarantee (finite epsilon).
 DP_TAGS = ["differential-privacy", "hf-dp"]
+#: Tags of a card of a run without a guarantee (epsilon infinite: noise multiplier 0): no `differential-privacy` tag.
+NO_GUARANTEE_TAGS = ["hf-dp", "no-dp-guarantee"]
 TEMPLATE_NAME = "dp_model_card.md"
 SECTION_HEADING = "## Differential privacy"
 
@@ -104,6 +110,16 @@ class DPModelCardData:
             subsection.
         epsilon_plot (`str`, *optional*):
             File name of a PNG of epsilon against the step, relative to the card (see `plot_epsilon_curve`).
+        eval_checked (`bool`, *optional*, defaults to `False`):
+            Whether hf_dp compared the trainer's `eval_dataset` with the training set (`hf_dp.eval_overlap`). If not,
+            the card says only that evaluation metrics are computed on the data given for evaluation.
+        eval_overlap (`list[str]`, *optional*, defaults to `[]`):
+            One clause per evaluation set found to be or overlap the training set (`EvalOverlap.describe()`). Non-empty:
+            a warning says that evaluation metrics were computed on training data and are not covered.
+        eval_selection (`list[str]`, *optional*, defaults to `[]`):
+            The settings that used those metrics (e.g. `load_best_model_at_end=True`) on an evaluation set that
+            overlaps the training set (duplicates below the refusal threshold): the warning says that the choice of
+            the released model is not covered either.
 
     Example:
         ```python
@@ -135,6 +151,9 @@ class DPModelCardData:
     published_training_metrics: list[str] = field(default_factory=list)
     audit: dict[str, Any] | None = None
     epsilon_plot: str | None = None
+    eval_checked: bool = False
+    eval_overlap: list[str] = field(default_factory=list)
+    eval_selection: list[str] = field(default_factory=list)
 
 
 def template_text(name: str = TEMPLATE_NAME) -> str:
@@ -254,8 +273,9 @@ def _check(data: DPModelCardData, segments: list[tuple[float, float, int]]) -> N
             f"says {data.epsilons[data.accountant]} under {data.accountant!r}: recompute `epsilons` from the same "
             "privacy history."
         )
-    if isinstance(data.published_training_metrics, str):
-        raise TypeError("`published_training_metrics` must be a list of metric names (e.g. ['loss']), got str.")
+    for name in ("published_training_metrics", "eval_overlap", "eval_selection"):
+        if isinstance(getattr(data, name), str):
+            raise TypeError(f"`{name}` must be a list of strings, got str.")
     if data.epsilon_plot is not None and (os.path.isabs(data.epsilon_plot) or "://" in data.epsilon_plot):
         raise ValueError(
             f"`epsilon_plot` must be a file name relative to the card (e.g. 'epsilon.png'), got {data.epsilon_plot!r}."
@@ -297,11 +317,76 @@ def _noise_rows(segments: list[tuple[float, float, int]]) -> str:
     return "\n".join(rows)
 
 
+def _no_guarantee(data: DPModelCardData, segments: list[tuple[float, float, int]]) -> str | None:
+    """The clause "no differential-privacy guarantee (...)" when the headline epsilon is infinite, else `None`."""
+    if not math.isinf(data.epsilons[data.accountant]):
+        return None
+    steps = sum(s[2] for s in segments)
+    noiseless = sum(s[2] for s in segments if s[0] == 0)
+    if noiseless and noiseless == steps:
+        why = "noise multiplier 0"
+    elif noiseless:
+        why = f"noise multiplier 0 for {noiseless} of the {steps} steps"
+    else:
+        why = f"under the {ACCOUNTANT_LABELS[data.accountant][0]} accountant"
+    return f"no differential-privacy guarantee ({why}, epsilon = inf)"
+
+
+def has_guarantee(data: DPModelCardData) -> bool:
+    """Whether the card states a finite epsilon under its headline accountant (what the `differential-privacy` tag
+    claims)."""
+    return not math.isinf(data.epsilons[data.accountant])
+
+
+def card_tags(headline_epsilon: float) -> list[str]:
+    """hf_dp's tags for a card whose headline epsilon is ``headline_epsilon``: :data:`DP_TAGS` if it is finite, else
+    :data:`NO_GUARANTEE_TAGS` (no `differential-privacy` tag on a card without a guarantee)."""
+    return list(NO_GUARANTEE_TAGS if math.isinf(headline_epsilon) else DP_TAGS)
+
+
+def _guarantee_note(data: DPModelCardData, segments: list[tuple[float, float, int]]) -> str:
+    none = _no_guarantee(data, segments)
+    if none is None:
+        return _DROP
+    return "> [!WARNING]\n" + _wrap(
+        f"This model has {none}: its gradients were not privatised, so nothing on this card protects the training "
+        "examples. The settings below are reported for the record; they are no privacy guarantee.",
+        "> ",
+    )
+
+
+def _eval_note(data: DPModelCardData) -> str:
+    if data.eval_overlap:
+        what = "; ".join(data.eval_overlap)
+        text = (
+            f"The evaluation data overlaps the training set: {what}. Evaluation metrics reported on this card or in "
+            "the repository were computed, without noise, on training data and are NOT covered by the guarantee; they "
+            "can reveal information about individual training examples."
+        )
+        if data.eval_selection:
+            text += (
+                f" {', '.join(data.eval_selection)} used these metrics, so the choice of the released model depends on "
+                "those training rows and is NOT covered by the guarantee either."
+            )
+        return "> [!WARNING]\n" + _wrap(text, "> ")
+    if data.eval_checked:
+        where = (
+            "evaluation data (the trainer's `eval_dataset`, compared with the training set by hf_dp: no overlap found)"
+        )
+    else:
+        where = "the data given for evaluation, which hf_dp did not compare with the training set"
+    return _wrap(
+        f"Evaluation metrics reported on this card or in the repository are computed on {where} and are not covered "
+        "by the guarantee (the guarantee covers the training set only)."
+    )
+
+
 def _guarantee(data: DPModelCardData, segments: list[tuple[float, float, int]]) -> str:
     label = ACCOUNTANT_LABELS[data.accountant][0]
     eps = data.epsilons[data.accountant]
-    if math.isinf(eps):
-        return f"none: epsilon is infinite under the {label} accountant (some steps had no noise)"
+    none = _no_guarantee(data, segments)
+    if none is not None:
+        return f"none: {none}"
     claim = f"({format_bound(eps)}, {format_bound(data.delta, digits=3)})-DP"
     if not data.poisson_sampling:
         return f"none proven: {claim} under the {label} accountant assumes Poisson sampling, which was not used"
@@ -310,8 +395,13 @@ def _guarantee(data: DPModelCardData, segments: list[tuple[float, float, int]]) 
     return f"{claim} under the {label} accountant (a proven upper bound)"
 
 
-def _published_note(metrics: list[str]) -> str:
+def _published_note(metrics: list[str], eval_on_training_data: bool = False) -> str:
     if not metrics:
+        if eval_on_training_data:
+            return _wrap(
+                "Apart from the evaluation metrics (computed on training data: see the warning below), no un-noised "
+                "statistic of the training data (training loss, token counts, FLOs) was written to the released files."
+            )
         return (
             "No un-noised statistic of the training data (training loss, token counts, FLOs) was written to the "
             "released files."
@@ -431,6 +521,7 @@ def render_dp_section(data: DPModelCardData) -> str:
     text = Template(template_text()).substitute(
         hf_dp_version=__version__,
         guarantee=_guarantee(data, segments),
+        guarantee_note=_guarantee_note(data, segments),
         epsilon_rows=_epsilon_rows(data),
         delta=format_bound(data.delta, digits=3),
         noise_rows=_noise_rows(segments),
@@ -445,7 +536,8 @@ def render_dp_section(data: DPModelCardData) -> str:
         noise_source=noise_source,
         sampling_note=note,
         epsilon_plot=plot,
-        published_note=_published_note(list(data.published_training_metrics)),
+        published_note=_published_note(list(data.published_training_metrics), bool(data.eval_overlap)),
+        eval_note=_eval_note(data),
         audit=_audit_block(data.audit),
     )
     text = "\n".join(line for line in text.splitlines() if line != _DROP)
@@ -477,15 +569,19 @@ def _replace_section(text: str, section: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", body).rstrip() + "\n"
 
 
-def write_dp_model_card(output_dir: str, section: str) -> None:
-    """Add or replace the DP section and add the DP tags in ``output_dir/README.md``, creating a minimal card if needed.
+def write_dp_model_card(output_dir: str, section: str, tags: Sequence[str] | None = None) -> None:
+    """Add or replace the DP section and set hf_dp's tags in ``output_dir/README.md`` (a minimal card if there is none).
 
     An existing "Differential privacy" section is replaced in place, up to the next level-2 heading, so sections the
-    user wrote after it are kept.
+    user wrote after it are kept. hf_dp's tags are the only ones set here: the `differential-privacy` tag is added
+    only with the section that states the guarantee, and an hf_dp tag the new section does not carry (a stale
+    `differential-privacy` on a card that now states no guarantee) is removed.
 
     Args:
         output_dir (`str`): the folder of the saved model.
         section (`str`): the output of :func:`render_dp_section`.
+        tags (`Sequence[str]`, *optional*): hf_dp's tags for this section, :func:`card_tags` of its data (default
+            :data:`DP_TAGS`).
 
     Example:
         ```python
@@ -500,6 +596,8 @@ def write_dp_model_card(output_dir: str, section: str) -> None:
     else:
         name = os.path.basename(os.path.abspath(output_dir))
         card = ModelCard(f"---\n{ModelCardData().to_yaml()}\n---\n\n# {name}\n\nFine-tuned with hf_dp's DPTrainer.\n")
-    card.data.tags = list(dict.fromkeys([*(card.data.tags or []), *DP_TAGS]))
+    tags = list(DP_TAGS if tags is None else tags)
+    stale = set(DP_TAGS + NO_GUARANTEE_TAGS) - set(tags)
+    card.data.tags = list(dict.fromkeys([*(t for t in card.data.tags or [] if t not in stale), *tags]))
     card.text = _replace_section(card.text, section)
     card.save(path)

@@ -1,22 +1,70 @@
-"""The privacy settings of one ``train()`` call, resolved from the arguments, the data and the privacy already spent."""
+"""The privacy settings of one ``train()`` call, resolved from the arguments, the data and the privacy already spent.
+
+The plan is frozen when ``train()`` starts (DESIGN §6 rule 21): the clipper, the noise, the accountant and the card read
+the plan, never the arguments. A change to the arguments' DP fields while the run goes on (a callback that lowers
+``per_sample_max_grad_norm`` at step 1) would otherwise make one part of the mechanism use a setting the others do not
+know about; :meth:`DPPlan.check_unchanged` compares a snapshot of those fields, taken with the plan, with the arguments
+at every optimizer step (a tuple compare on the host) and raises :class:`FrozenSettingsError` before the next noisy
+step.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .accounting import noise_multiplier as calibrate_noise_multiplier
 from .accounting.methods import segments_epsilon
+from .arguments import DPArgumentsMixin
 
-__all__ = ["DPPlan", "resolve_plan"]
+__all__ = ["FROZEN_FIELDS", "DPPlan", "FrozenSettingsError", "resolve_plan", "settings_snapshot"]
+
+#: Fields of the training arguments that the run's privacy depends on besides the DP fields of ``DPArgumentsMixin``
+#: (the sample rate and the schedule, the loss scale policy). A change to any of them during ``train()`` is an error.
+_SCHEDULE_FIELDS = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_steps",
+    "num_train_epochs",
+    "fp16",
+    "bf16",
+)
+
+
+#: The argument fields frozen for a run: every DP field, then the schedule fields.
+FROZEN_FIELDS: tuple[str, ...] = tuple(
+    dict.fromkeys((*(f.name for f in dataclasses.fields(DPArgumentsMixin)), *_SCHEDULE_FIELDS))
+)
+
+
+def _freeze(value: Any) -> Any:
+    """A comparable, immutable copy of an argument value (lists, e.g. parsed clipping groups, become tuples)."""
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    return value
+
+
+def settings_snapshot(args) -> tuple[Any, ...]:
+    """The values of :data:`FROZEN_FIELDS` in ``args`` (missing fields as ``None``), as one tuple."""
+    return tuple(_freeze(getattr(args, name, None)) for name in FROZEN_FIELDS)
+
+
+class FrozenSettingsError(RuntimeError):
+    """A privacy setting of the arguments changed while ``train()`` was running."""
 
 
 @dataclass(frozen=True)
 class DPPlan:
     """What DP-SGD does in this run: ``L`` examples expected per logical batch out of ``N``, sample rate
-    ``q = L / N``, ``num_steps`` noisy steps in the schedule, noise multiplier ``sigma``, for ``(epsilon, delta)``."""
+    ``q = L / N``, ``num_steps`` noisy steps in the schedule, noise multiplier ``sigma``, for ``(epsilon, delta)``;
+    clipping at ``C = max_grad_norm`` with ``clipping_mode``/``clipping_style``/``clipping_fn``; the headline and the
+    logged accountants; Poisson sampling or not; the loss scale (``"fp16"``: the noised overflow policy; ``"bf16"``;
+    ``None``: fp32)."""
 
     num_examples: int
     expected_batch_size: int
@@ -26,10 +74,56 @@ class DPPlan:
     noise_multiplier: float
     target_epsilon: float | None
     accountant: str
+    max_grad_norm: float = 0.1
+    clipping_mode: str = "bk-mixopt"
+    clipping_style: Any = "all-layer"
+    clipping_fn: str = "abadi"
+    automatic_clipping_gamma: float = 0.01
+    epsilon_accountants: tuple[str, ...] = ()
+    poisson_sampling: bool = True
+    secure_mode: bool = False
+    loss_scale: str | None = None
+    #: :func:`settings_snapshot` of the arguments the plan was resolved from (kept in memory only: never saved).
+    settings: tuple[Any, ...] = field(default=(), repr=False, compare=False)
 
     def saved(self) -> dict[str, Any]:
         """The plan as written with checkpoints (no secret in it), to reuse the same sigma on an unchanged resume."""
-        return asdict(self)
+        saved = asdict(self)
+        del saved["settings"]  # holds every DP argument, `noise_seed` included: never written
+        return saved
+
+    def clipping_kwargs(self) -> dict[str, Any]:
+        """The clipping policy keyword arguments of :class:`~hf_dp.BookKeepingClipper` for this plan."""
+        style = self.clipping_style
+        if isinstance(style, tuple):  # frozen groups of parameter-name patterns: the engine takes lists
+            style = [list(group) for group in style]
+        kwargs: dict[str, Any] = {"clipping_style": style, "clipping_fn": self.clipping_fn}
+        if self.clipping_fn == "automatic":
+            kwargs["gamma"] = self.automatic_clipping_gamma
+        return kwargs
+
+    def check_unchanged(self, args, *, step: int | None = None) -> None:
+        """Raise :class:`FrozenSettingsError` if a frozen field of ``args`` differs from its value when the plan was
+        resolved (cheap: one tuple compare; the field-by-field search runs only on a difference)."""
+        if not self.settings:
+            return
+        now = settings_snapshot(args)
+        if now == self.settings:
+            return
+        changed = [
+            f"`{name}` {before!r} -> {after!r}"
+            for name, before, after in zip(FROZEN_FIELDS, self.settings, now, strict=True)
+            if before != after
+        ]
+        where = f" (noticed at optimizer step {step})" if step is not None else ""
+        raise FrozenSettingsError(
+            f"hf_dp: privacy settings of the arguments changed while train() was running{where}: {', '.join(changed)}. "
+            "The clipping norm, the noise, the sample rate and the accountant of a run are fixed when train() starts "
+            "(the clipper, the noise and the accountant all use those values), so a change during the run would "
+            "either be ignored or make the stated (epsilon, delta) false. Restore the arguments, or stop and start "
+            "a new train() call (or resume from a checkpoint) with the new settings: the privacy spent so far is "
+            "kept and the new settings are accounted as a new segment."
+        )
 
 
 def _same_schedule(saved: dict[str, Any], plan: dict[str, Any]) -> bool:
@@ -105,4 +199,17 @@ def resolve_plan(
         segments_epsilon(
             [*map(tuple, past), (sigma, sample_rate, max(num_steps - steps_done, 0))], delta, args.accountant
         )
-    return DPPlan(noise_multiplier=float(sigma), **draft)
+    return DPPlan(
+        noise_multiplier=float(sigma),
+        **draft,
+        max_grad_norm=float(args.per_sample_max_grad_norm),
+        clipping_mode=args.clipping_mode,
+        clipping_style=_freeze(args.clipping_style),
+        clipping_fn=args.clipping_fn,
+        automatic_clipping_gamma=float(args.automatic_clipping_gamma),
+        epsilon_accountants=tuple(args.epsilon_accountants),
+        poisson_sampling=bool(args.poisson_sampling),
+        secure_mode=bool(args.secure_mode),
+        loss_scale="fp16" if getattr(args, "fp16", False) else ("bf16" if getattr(args, "bf16", False) else None),
+        settings=settings_snapshot(args),
+    )

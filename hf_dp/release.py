@@ -8,8 +8,15 @@ everything that is written to disk or pushed (``trainer_state.json`` in checkpoi
 ``publish_training_metrics=True``, and then the card says what was published.
 
 It is an allowlist: a log key is released only if it is known to be noised or public. Evaluation metrics
-(``eval_*``, ``test_*``, ``predict_*``) are computed on evaluation data, the user's business; the card says that the
-guarantee does not cover them.
+(``eval_*``, ``test_*``, ``predict_*``) are computed on the data given for evaluation, the user's business; the card
+says that the guarantee does not cover them, and, when the trainer's ``eval_dataset`` is or overlaps the training set
+(:mod:`hf_dp.eval_overlap`), that they were computed on training data. Selection on such metrics
+(``load_best_model_at_end``, early stopping, plateau schedules) is refused before training.
+
+Every folder that receives weights gets the DP card of that moment: ``save_model`` writes it (checkpoints included),
+and the ``hub_strategy`` uploads (every_save, checkpoint, all_checkpoints) write it into ``output_dir`` before the
+Trainer uploads it. The ``differential-privacy`` tag is set only there, with the section that states the guarantee; a
+run without one (noise multiplier 0, epsilon infinite) is tagged ``no-dp-guarantee`` instead.
 """
 
 from __future__ import annotations

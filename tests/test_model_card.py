@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 
 from hf_dp.model_card import (
     DPModelCardData,
+    card_tags,
     format_bound,
     plot_epsilon_curve,
     render_dp_section,
@@ -123,7 +125,9 @@ class TestContent:
         with pytest.raises(ValueError, match="noise_multiplier 0, so epsilon is infinite"):
             render_dp_section(card_data(segments=[(0.0, 0.05, 10)]))
         section = render_dp_section(card_data(segments=[(0.0, 0.05, 10)], epsilons={"rdp": float("inf")}))
-        assert table(section)["Guarantee"].startswith("none: epsilon is infinite")
+        assert (
+            table(section)["Guarantee"] == "none: no differential-privacy guarantee (noise multiplier 0, epsilon = inf)"
+        )
         with pytest.raises(ValueError, match="sample_rate=1.5"):
             render_dp_section(card_data(segments=[(1.0, 1.5, 10)]))
         with pytest.raises(ValueError, match="`delta` must be in"):
@@ -158,9 +162,51 @@ class TestContent:
             render_dp_section(card_data(published_training_metrics="loss"))
 
     def test_evaluation_metrics_sentence_is_always_there(self):
-        sentence = "Evaluation metrics reported on this card or in the repository are computed on evaluation data"
+        sentence = "Evaluation metrics reported on this card or in the repository are computed on"
         for data in [card_data(), card_data(published_training_metrics=["loss"])]:
-            assert sentence in flat(render_dp_section(data))
+            text = flat(render_dp_section(data))
+            assert sentence in text and "not covered by the guarantee" in text
+
+    def test_evaluation_sentence_says_what_was_checked(self):
+        unchecked = flat(render_dp_section(card_data()))
+        assert (
+            "computed on the data given for evaluation, which hf_dp did not compare with the training set" in unchecked
+        )
+        checked = flat(render_dp_section(card_data(eval_checked=True)))
+        assert "compared with the training set by hf_dp: no overlap found" in checked
+        assert "did not compare" not in checked and "[!WARNING]" not in checked
+
+    def test_evaluation_on_training_data_is_a_warning(self):
+        what = "`eval_dataset` is the training set (the same object)"
+        section = render_dp_section(card_data(eval_checked=True, eval_overlap=[what]))
+        warning = flat(section[section.index("> [!WARNING]") :])
+        assert f"The evaluation data overlaps the training set: {what}." in warning
+        assert "Apart from the evaluation metrics (computed on training data: see the warning below), no un-noised" in (
+            flat(section)
+        )
+        assert "were computed, without noise, on training data and are NOT covered by the guarantee" in warning
+        assert "no overlap found" not in warning and "choice of the released model" not in warning
+        selected = render_dp_section(
+            card_data(eval_overlap=["3 of 256 sampled rows"], eval_selection=["load_best_model_at_end=True"])
+        )
+        assert (
+            "load_best_model_at_end=True used these metrics, so the choice of the released model depends on those"
+            in flat(selected)
+        )
+        with pytest.raises(TypeError, match="`eval_overlap` must be a list"):
+            render_dp_section(card_data(eval_overlap=what))
+
+    def test_infinite_epsilon_says_no_guarantee(self):
+        section = render_dp_section(
+            card_data(segments=[(0.0, 0.05, 10)], epsilons={"rdp": float("inf"), "prv": float("inf")})
+        )
+        intro_warning = flat(section.split("| Quantity")[0])
+        assert "This model has no differential-privacy guarantee (noise multiplier 0, epsilon = inf)" in intro_warning
+        partly = render_dp_section(card_data(segments=[(1.0, 0.05, 6), (0.0, 0.05, 4)], epsilons={"rdp": math.inf}))
+        assert table(partly)["Guarantee"] == (
+            "none: no differential-privacy guarantee (noise multiplier 0 for 4 of the 10 steps, epsilon = inf)"
+        )
+        assert "[!WARNING]" not in render_dp_section(card_data()).split("| Quantity")[0]
 
     def test_audit_subsection(self):
         audit = {"claimed_epsilon": 3.0, "epsilon_lower_bound": 0.41679, "num_canaries": 1000, "significance": 0.05}
@@ -220,6 +266,14 @@ class TestCardFile:
         text = (tmp_path / "README.md").read_text()
         assert text.startswith("---\n") and "- differential-privacy\n- hf-dp\n" in text
         assert text.count("## Differential privacy") == 1
+
+    def test_no_guarantee_tags_replace_a_stale_dp_tag(self, tmp_path):
+        write_dp_model_card(str(tmp_path), render_dp_section(card_data()))
+        assert card_tags(7.9) == ["differential-privacy", "hf-dp"]
+        section = render_dp_section(card_data(segments=[(0.0, 0.05, 10)], epsilons={"rdp": math.inf}))
+        write_dp_model_card(str(tmp_path), section, tags=card_tags(math.inf))
+        text = (tmp_path / "README.md").read_text()
+        assert "- hf-dp\n- no-dp-guarantee\n" in text and "differential-privacy\n" not in text.split("---")[1]
 
     def test_replaces_an_existing_section_and_keeps_the_rest(self, tmp_path):
         (tmp_path / "README.md").write_text(

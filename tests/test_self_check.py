@@ -149,3 +149,45 @@ def test_an_unhooked_use_is_refused_without_the_fallback(float64):
     with pytest.raises(UnsupportedModuleError, match=r"`embed\.weight`.*allow_fallback"):
         clipper.self_check(_batch(), _net_loss)
     clipper.remove()
+
+
+def _bert_lora():
+    from models import bert_classifier
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(bert_classifier(), LoraConfig(r=2, lora_alpha=4, target_modules=["query", "value", "dense"]))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("name", ["gpt2-lora", "llama-lora", "bert-lora"])
+def test_lora_with_gradient_checkpointing_passes_the_self_check(float64, name, reentrant):
+    """LoRA with activation checkpointing (peft turns on `enable_input_require_grads`, so no hooked output needs the
+    engine's origin): the self-check's norms-only pass backpropagates to the graph's own leaves (it found no origin
+    and ran no backward at all: every LoRA parameter had norm 0), and the step is exact against the oracle (run on
+    a copy without checkpointing: reentrant checkpointing refuses `autograd.grad`)."""
+    from models import causal_batches, causal_loss, classification_batches, classification_loss, gpt2_lora, llama_lora
+    from oracle import assert_rel_close, oracle_clipped
+
+    torch.manual_seed(0)
+    build = {"gpt2-lora": gpt2_lora, "llama-lora": llama_lora, "bert-lora": _bert_lora}[name]
+    model = build().double().train()
+    for param_name, p in model.named_parameters():
+        if p.requires_grad and "lora_B" in param_name:
+            nn.init.normal_(p, std=0.2)  # peft starts B at 0: A's gradients would vanish
+    reference = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if name == "bert-lora":
+        model.enable_input_require_grads()  # peft does this for causal LMs; BERT's embeddings need it by hand
+    batches, loss = (
+        (classification_batches(), classification_loss) if name == "bert-lora" else (causal_batches(), causal_loss)
+    )
+    names, norms, expected, c = oracle_clipped(reference, batches, loss, None)
+    clipper = BookKeepingClipper(model, max_grad_norm=c, mode="bk-mixopt")
+    assert clipper.self_check(batches[0], loss) < 1e-6
+    for batch, norm in zip(batches, norms, strict=True):
+        clipper.backward(loss(model, batch))
+        torch.testing.assert_close(clipper.per_example_norms, norm, rtol=1e-6, atol=0)
+    params = dict(model.named_parameters())
+    for param_name in names:
+        assert_rel_close(params[param_name].grad, expected[param_name], 1e-6, param_name)
+    clipper.remove()

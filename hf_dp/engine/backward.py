@@ -233,7 +233,9 @@ class BackwardBookkeeping:
             loss = per_example_loss(self.model, inputs)
             self._begin(loss, keep_all=True)
             p = self._pass
-            leaves = list(self._origins.values())
+            # the origins give a graph to outputs that had none; where the inputs require grad (peft's
+            # `enable_input_require_grads`, which gradient checkpointing turns on) the graph's own leaves do
+            leaves = [*self._origins.values(), *(v for v in graph_leaves(loss) if v.requires_grad)]
             if p.size and p.uses and any(r.reentrant for r in p.regions.values()):
                 backward_keeping_grads(loss.sum())  # reentrant checkpointing refuses `inputs=`
             elif p.size and p.uses and leaves:

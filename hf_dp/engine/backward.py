@@ -96,7 +96,18 @@ class BackwardBookkeeping:
         with self._inert(), torch.no_grad():
             if entry.is_fallback:
                 with rerun_without_reentrant(entry.module, entry.name):
-                    grads = entry.rule.per_example_grads(entry.module, use.captured, grad, trainable)
+                    try:
+                        grads = entry.rule.per_example_grads(entry.module, use.captured, grad, trainable)
+                    except UnsupportedModuleError:
+                        raise
+                    except Exception as err:  # the model's own code, failing on one example: say where and why
+                        raise UnsupportedModuleError(
+                            f"The torch.func fallback could not re-run `{entry.name}` ({type(entry.module).__name__}) "
+                            f"on one example of the batch ({type(err).__name__}: {' '.join(str(err).split())[:300]}). "
+                            "Its forward pass needs something of the whole batch that hf_dp passed per example, or "
+                            "keeps state across calls. Freeze that module's parameters, or register a closed-form "
+                            "rule for it (`hf_dp.layers.register_rule`). Nothing was added to `p.grad`."
+                        ) from err
             else:
                 grads = closed_form_grads(
                     entry.rule, entry.module, use.captured, grad, use.layout.outputs[0], b, trainable

@@ -259,9 +259,8 @@ class CallCapture:
         fallback call; ``None`` for the one output of a closed-form call).
 
         A closed-form output is hooked on its storage root, whose hook survives the caller's in-place writes (a
-        standard layer does not use its own output). A hook that an in-place write could drop (on a fallback's alias,
-        or a view that is not a whole view of its base) is noted with the tensor's version, checked before the
-        backward pass."""
+        standard layer does not use its own output). A hook that an in-place write could drop (on a view that is not
+        a whole view of its base) is noted with the tensor's version, checked before the backward pass."""
         if positions is None:
             target, shape = storage_root(tensors[0])
             if shape is not None:
@@ -271,7 +270,7 @@ class CallCapture:
                 use.versions.append((target, target._version))
             target.register_hook(functools.partial(self._on_output_grad, use, None))
             return
-        use.versions.extend((t, t._version) for t in tensors)
+        use.versions.extend((t, t._version) for t in tensors if t._base is not None)  # an expansion
         if len(tensors) == 1:
             tensors[0].register_hook(functools.partial(self._on_output_grad, use, positions))
         elif tensors:
@@ -284,9 +283,11 @@ class CallCapture:
 
         A module may use a tensor it returns (an MoE router routes with the logits it returns; eager attention
         returns the weights it applies): that tensor's gradient then includes the internal use, which the fallback's
-        re-run differentiates again. So each hooked output is returned as an alias (a view) whose gradient is the
-        caller's alone (DESIGN §18). A caller's in-place write on it would drop the alias's hook from the graph: the
-        write is caught by its version counter before the backward pass (:meth:`_check_unwritten`)."""
+        re-run differentiates again. So each hooked output is returned as a tensor of its own whose gradient is the
+        caller's alone (DESIGN §18): a copy (a fallback's re-run per example costs far more than copying its output),
+        the ``+ origin`` sum of an output without a graph, or the expansion of a broadcast output (a view that torch
+        refuses to write in place). A copy's hook survives the caller's in-place writes (Falcon adds its attention
+        output into the MLP's in place); a view's would not."""
         b = self._pass.size
         leaves, spec = tree_flatten(output)
         positions, tensors = [], []
@@ -297,7 +298,9 @@ class CallCapture:
                 leaf = leaf.expand(b * lay.repeat, *leaf.shape[1:])
             if not leaf.requires_grad:
                 leaf = leaf + self._origin(leaf)
-            leaves[j] = leaf = leaf.view_as(leaf)
+            elif not lay.broadcast:
+                leaf = leaf.clone()
+            leaves[j] = leaf
             positions.append(j)
             tensors.append(leaf)
         return positions, tensors, tree_unflatten(leaves, spec) if positions else None

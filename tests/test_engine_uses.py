@@ -145,6 +145,72 @@ def test_caller_writes_a_fallback_output_in_place(float64, mode):
     check_clipper(RouterWrittenInPlace(OwnWeightRouter, False), _batches(), _loss, mode=mode)
 
 
+class NoGradBranch(nn.Module):
+    """A trainable layer called under `torch.no_grad()` (DeepSeek-V3.2's indexer scores top-k tokens this way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.scorer, self.out = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        with torch.no_grad():
+            weights = self.scorer(h).softmax(-1)
+        return self.out(h * weights)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_call_under_no_grad_gets_no_gradient_like_autograd(float64, mode):
+    torch.manual_seed(0)
+    model = NoGradBranch().double()
+    batches = _batches()
+    names, norms, expected, c = oracle_clipped(model, batches, _loss, None)
+    clipper = BookKeepingClipper(model, max_grad_norm=c, mode=mode)
+    clipper.backward(_loss(model, batches[0]))
+    torch.testing.assert_close(clipper.per_example_norms, norms[0], rtol=1e-6, atol=0)
+    for name, p in model.named_parameters():
+        if name.startswith("scorer."):
+            assert expected[name].abs().max() == 0 and (p.grad is None or p.grad.abs().max() == 0), name
+        else:
+            torch.testing.assert_close(p.grad, expected[name], rtol=1e-6, atol=1e-12, msg=name)
+    clipper.remove()
+
+
+class UnknownCheckpoint(NoGradBranch):
+    """A checkpoint function of its own: the forward without gradients, the call recomputed in the backward."""
+
+    def forward(self, x):
+        block = self.scorer
+
+        class Recompute(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, h):
+                ctx.save_for_backward(h)
+                return block(h)
+
+            @staticmethod
+            def backward(ctx, grad):
+                (h,) = ctx.saved_tensors
+                with torch.enable_grad():
+                    h = h.detach().requires_grad_()
+                    torch.autograd.backward(block(h), grad)
+                return h.grad
+
+        return self.out(Recompute.apply(self.inp(x)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_checkpoint_function_hf_dp_does_not_know_is_refused(float64, mode):
+    """Its recomputation gives the parameters an autograd gradient outside the hooks: refused, never a silent 0."""
+    torch.manual_seed(0)
+    model = UnknownCheckpoint().double()
+    clipper = BookKeepingClipper(model, max_grad_norm=1.0, mode=mode)
+    with pytest.raises(UnsupportedModuleError, match="checkpoint function hf_dp does not know"):
+        clipper.backward(_loss(model, _batches()[0]))
+    assert model.scorer.weight.grad is None
+    clipper.remove()
+
+
 class LossUsesAWeight(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -81,7 +81,7 @@ class BackwardBookkeeping:
         group_of = self._group_of
         for q, g in grads.items():
             if p.use_counts.get(q, 0) == 1 and not p.keep_all:
-                p.norm_sq[group_of[q]] += norm_sq(g, self._norm_dtype)
+                p.norm_sq[group_of[q]].add_(norm_sq(g, self._norm_dtype))  # in place: `+=` on an index copies back
                 if self.mode == "ghost":  # norms only: the second backward forms the sum
                     continue
             p.pieces.setdefault(q, []).append(g)
@@ -149,6 +149,7 @@ class BackwardBookkeeping:
         self._check_own_passes("check that each loss depends on its own example")
         inputs = list(self._origins.values()) + [q for q in self._trainable if q.requires_grad]
         p.phase = "support"
+        stamps = {q: grad_stamp(q) for q in self._trainable}
         try:
             for j in sorted({0, p.size - 1}):
                 p.support_example = j
@@ -162,6 +163,7 @@ class BackwardBookkeeping:
             p.phase = None
             for origin in self._origins.values():
                 origin.grad = None
+        self._refuse_autograd_writes(stamps, set())
         if p.support_failures:
             modules = sorted(set(p.support_failures))
             raise UnsupportedModuleError(
@@ -176,16 +178,22 @@ class BackwardBookkeeping:
         the hooks (e.g. inside the loss, after the model's forward pass) and would leak an unclipped gradient."""
         if self.mode == "ghost" or p.grads_before is None:
             return
-        bypassed = [q for q, stamp in p.grads_before.items() if q in p.bypassed or grad_stamp(q) != stamp]
+        self._refuse_autograd_writes(p.grads_before, p.bypassed)
+
+    def _refuse_autograd_writes(self, stamps: dict, bypassed: set) -> None:
+        """Raise if autograd wrote a ``p.grad`` since ``stamps`` (a use the hooks do not see); a ``p.grad`` that was
+        empty is emptied again first, so that autograd's un-clipped gradient does not stay there."""
+        bypassed = [q for q, stamp in stamps.items() if q in bypassed or grad_stamp(q) != stamp]
         if not bypassed:
             return
         for q in bypassed:
-            if p.grads_before[q][0] is None:  # autograd's un-clipped gradient must not stay there
+            if stamps[q][0] is None:
                 q.grad = None
         raise UnsupportedModuleError(
             f"Trainable parameter `{self._names()[1].get(bypassed[0], '?')}` received a gradient from autograd during "
-            "the backward pass: it is used outside the model's forward pass (e.g. in the loss), where its gradient "
-            "would not be clipped. Compute the per-example loss from the model's outputs only."
+            "the backward pass: it is used outside the model's forward pass (e.g. in the loss, or recomputed by a "
+            "checkpoint function hf_dp does not know), where its gradient would not be clipped. Compute the "
+            "per-example loss from the model's outputs only, and checkpoint with `torch.utils.checkpoint`."
         )
 
     def _check_graph_for_bypass(self, loss: Tensor) -> None:
@@ -224,8 +232,9 @@ class BackwardBookkeeping:
             if float((got - expected).norm()) > 1e-3 * max(scale, 1e-12) and float((got - expected).norm()) > 1e-30:
                 raise UnsupportedModuleError(
                     f"Trainable parameter `{param_names.get(q, '?')}` gets a gradient that no hooked module accounts "
-                    "for (it is used outside the model's forward pass, e.g. in the loss): its per-example norm would "
-                    "be wrong. Compute the per-example loss from the model's outputs only."
+                    "for (it is used outside the model's forward pass, e.g. in the loss, or recomputed by a checkpoint "
+                    "function hf_dp does not know): its per-example norm would be wrong. Compute the per-example loss "
+                    "from the model's outputs only, and checkpoint with `torch.utils.checkpoint`."
                 )
         for q in list(pieces):
             if p.use_counts.get(q, 0) == 1:
@@ -240,6 +249,7 @@ class BackwardBookkeeping:
         saved = (self._pass, self._prepared, self._capturing, self.per_example_norms, self.per_group_norms)
         self._pass, self._prepared, self._capturing = None, False, False
         self._force_ghost_diff = True
+        stamps = {q: grad_stamp(q) for q in self._trainable}
         try:
             loss = per_example_loss(self.model, inputs)
             self._begin(loss, keep_all=True)
@@ -252,6 +262,7 @@ class BackwardBookkeeping:
             elif p.size and p.uses and leaves:
                 torch.autograd.backward(loss.sum(), inputs=leaves)
             p.phase = None
+            self._refuse_autograd_writes(stamps, set())
             out = {}
             with torch.no_grad():
                 for q in list(p.pieces):

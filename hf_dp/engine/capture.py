@@ -113,12 +113,12 @@ class CallCapture:
                 self._region(frame).records.append((entry, None))
             return None
         if not grad_enabled and not reentrant:
-            raise UnsupportedModuleError(
-                f"Module `{entry.name}` ({type(module).__name__}) ran without gradients inside the model's forward "
-                "pass (a `torch.no_grad()` block around trainable parameters, or a checkpoint function hf_dp does not "
-                "know): its parameters would get no gradient. Freeze the parameters used without gradients, or use "
-                "`torch.utils.checkpoint.checkpoint` (reentrant or not) for activation checkpointing."
-            )
+            # A call under `torch.no_grad()` (DeepSeek-V3.2's indexer): plain autograd gives its parameters no gradient
+            # from it, and neither do we. A checkpoint function hf_dp does not know would recompute the call with
+            # gradients in the backward pass, where autograd writes `p.grad` itself: `finish()` refuses that.
+            if frame is not None:
+                self._region(frame).records.append((entry, None))
+            return None
         ordinal = p.ordinal.get(id(module), 0)
         out_leaves = flatten_output(output)
         in_leaves = flatten_call(args, kwargs) if entry.is_fallback else None

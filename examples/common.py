@@ -22,6 +22,7 @@ DP_FIELDS = {
     "poisson_sampling",
     "clipping_mode",
     "per_example_loss_reduction",
+    "dp_loss_type",
     "loss_type",
     "noise_seed",
 }

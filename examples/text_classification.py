@@ -284,8 +284,8 @@ def main(argv=None):
     if model_args.classifier_init == "label_words":
         init_classifier_from_label_words(model, tokenizer, data_args.template, data_args.label_words.split(","))
     frozen = freeze_word_embeddings(model) if model_args.freeze_word_embeddings else 0
-    if isinstance(model, MeanPoolingClassifier) and not disable_dp and args.loss_type == "auto":
-        args.loss_type = "sequence_classification"  # not an HF class, so DPTrainer cannot infer it
+    if isinstance(model, MeanPoolingClassifier) and not disable_dp and args.dp_loss_type == "auto":
+        args.dp_loss_type = "sequence_classification"  # not an HF class, so DPTrainer cannot infer it
 
     columns = train_raw.column_names
     if model_args.head == "prompt":

@@ -10,6 +10,18 @@ from .sampler import PoissonBatchSampler  # noqa: E402
 from .seq2seq import DPSeq2SeqTrainer  # noqa: E402
 from .trainer import DPTrainer  # noqa: E402
 
+#: Names served by :mod:`hf_dp.trl` (imported on first use, so that ``import hf_dp`` never imports TRL).
+_TRL_NAMES = ("DPSFTConfig", "DPSFTTrainer")
+
+
+def __getattr__(name: str):
+    if name in _TRL_NAMES:
+        from . import trl
+
+        return getattr(trl, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "CLIPPING_MODES",
     "BookKeepingClipper",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from transformers import Seq2SeqTrainingArguments, TrainingArguments
@@ -94,9 +95,11 @@ _DP_PARAMETERS_DOC = r"""
         `gamma` of automatic clipping (> 0): the stability constant that keeps small gradients from being blown up.
     per_example_loss_reduction (`str`, *optional*, defaults to `"mean"`):
         How one example's token losses are combined: `"mean"` over its own target tokens, or `"sum"`.
-    loss_type (`str`, *optional*, defaults to `"auto"`):
+    dp_loss_type (`str`, *optional*, defaults to `"auto"`):
         Per-example loss: `"causal_lm"`, `"masked_lm"`, `"seq2seq_lm"`, `"sequence_classification"`,
         `"token_classification"`, `"question_answering"`, `"multiple_choice"`, or `"auto"` (from the model class).
+        Formerly `loss_type`, which still works (with a `FutureWarning`) in `DPTrainingArguments` and
+        `DPSeq2SeqTrainingArguments`; in the TRL configurations (`DPSFTConfig`, ...) `loss_type` is TRL's own field.
     dp_self_check (`bool`, *optional*, defaults to `True`):
         On the first micro-batch, compare the engine's per-example gradient norms of a few examples with plain
         per-example autograd and stop with an error naming the parameters that differ: catches an architecture the
@@ -184,7 +187,7 @@ class DPArgumentsMixin:
         default="mean",
         metadata={"help": "'mean' over the example's own target tokens, or 'sum'.", "choices": ["mean", "sum"]},
     )
-    loss_type: str = field(
+    dp_loss_type: str = field(
         default="auto",
         metadata={"help": "Per-example loss; 'auto' picks it from the model class.", "choices": ["auto", *LOSS_TYPES]},
     )
@@ -254,8 +257,8 @@ class DPArgumentsMixin:
             raise ValueError(
                 f"`per_example_loss_reduction` must be 'mean' or 'sum', got {self.per_example_loss_reduction!r}."
             )
-        if self.loss_type not in ("auto", *LOSS_TYPES):
-            raise ValueError(f"Unknown `loss_type` {self.loss_type!r}. Choose one of {['auto', *LOSS_TYPES]}.")
+        if self.dp_loss_type not in ("auto", *LOSS_TYPES):
+            raise ValueError(f"Unknown `dp_loss_type` {self.dp_loss_type!r}. Choose one of {['auto', *LOSS_TYPES]}.")
         if self.poisson_sampling:
             if self.dataloader_drop_last:
                 raise ValueError(
@@ -296,12 +299,39 @@ def _dp_doc(base: str) -> str:
 
 
 @dataclass
-class DPTrainingArguments(DPArgumentsMixin, TrainingArguments):
+class _LossTypeAlias:
+    """``loss_type``: the deprecated name of ``dp_loss_type`` in the transformers-based arguments classes (the TRL
+    configurations have their own ``loss_type`` with TRL's meaning, so the DP field is ``dp_loss_type`` everywhere)."""
+
+    loss_type: str | None = field(
+        default=None,
+        metadata={"help": "Deprecated: use `dp_loss_type` (the same values)."},
+    )
+
+    def __post_init__(self):
+        if self.loss_type is not None:
+            warnings.warn(
+                "`loss_type` of the hf_dp arguments is deprecated and will be removed: use `dp_loss_type` (the same "
+                "values). It was renamed because TRL's configurations have a `loss_type` field of their own.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            if self.dp_loss_type not in ("auto", self.loss_type):
+                raise ValueError(
+                    f"Got both `loss_type={self.loss_type!r}` (deprecated) and `dp_loss_type={self.dp_loss_type!r}`. "
+                    "Set `dp_loss_type` only."
+                )
+            self.dp_loss_type = self.loss_type
+        super().__post_init__()
+
+
+@dataclass
+class DPTrainingArguments(_LossTypeAlias, DPArgumentsMixin, TrainingArguments):
     __doc__ = _dp_doc("DPTrainer")
 
 
 @dataclass
-class DPSeq2SeqTrainingArguments(DPArgumentsMixin, Seq2SeqTrainingArguments):
+class DPSeq2SeqTrainingArguments(_LossTypeAlias, DPArgumentsMixin, Seq2SeqTrainingArguments):
     __doc__ = _dp_doc("DPSeq2SeqTrainer") + (
         "\n    Every [`~transformers.Seq2SeqTrainingArguments`] field (`predict_with_generate`, "
         "`generation_max_length`, `generation_num_beams`, `generation_config`) keeps its meaning."

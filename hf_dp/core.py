@@ -119,7 +119,9 @@ class DPTrainerMixin:
                     "Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible."
                 )
             self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
-        self.loss_type = args.loss_type if args.loss_type != "auto" or compute_loss_func else infer_loss_type(model)
+        self.loss_type = (
+            args.dp_loss_type if args.dp_loss_type != "auto" or compute_loss_func else infer_loss_type(self.model)
+        )
         self.clipper: BookKeepingClipper | None = None  # installed by train(), removed when it returns
         self.dp_audit_result: dict[str, Any] | None = None
         self._dp_plan: DPPlan | None = None

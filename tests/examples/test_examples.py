@@ -316,3 +316,61 @@ def test_examples_parse_help():
             sys.argv = [name, "--help"]
             example.main(["--help"])
         assert exit_info.value.code == 0
+
+
+@pytest.mark.parametrize("variant", [[], ["--use_peft", "--lora_r", "2", "--lora_target_modules", "c_attn", "c_fc"]])
+def test_sft_trl_script_offline(tmp_path, variant):
+    """examples/sft.py (TRL's sft.py with the three-name change) on a tiny GPT-2 and word-level tokenizer saved to
+    disk, a local jsonl of conversations, gradient checkpointing on (TRL's default)."""
+    pytest.importorskip("trl")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    words = ["<pad>", "<unk>", "<eos>", "user", "assistant", ":", *"abcdefgh"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} <eos> {% endfor %}"
+        "{% if add_generation_prompt %}assistant : {% endif %}"
+    )
+    model_dir = tmp_path / "tiny-gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(words), n_positions=32, n_embd=16, n_layer=1, n_head=2)).save_pretrained(
+        model_dir
+    )
+    tokenizer.save_pretrained(model_dir)
+    rows = [
+        {"messages": [{"role": "user", "content": "a b c"[: 1 + 2 * (i % 3)]}, {"role": "assistant", "content": "d e"}]}
+        for i in range(32)
+    ]
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "out"
+    report = load("sft").main(
+        [
+            "--model_name_or_path",
+            str(model_dir),
+            "--train_file",
+            str(train_file),
+            "--output_dir",
+            str(out),
+            "--noise_multiplier",
+            "1.0",
+            "--per_sample_max_grad_norm",
+            "1.0",
+            "--bf16",
+            "false",
+            "--report_to",
+            "none",
+            "--save_strategy",
+            "no",
+            "--max_length",
+            "16",
+            *TINY,
+            *variant,
+        ]
+    )
+    assert report["privacy"]["steps_taken"] == 2 and report["privacy"]["noise_multiplier"] == 1.0
+    assert "## Differential privacy" in (out / "README.md").read_text()
+    saved = {p.name for p in out.iterdir()}
+    assert ("adapter_config.json" in saved) == bool(variant)

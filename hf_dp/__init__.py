@@ -11,7 +11,7 @@ from .seq2seq import DPSeq2SeqTrainer  # noqa: E402
 from .trainer import DPTrainer  # noqa: E402
 
 #: Names served by :mod:`hf_dp.trl` (imported on first use, so that ``import hf_dp`` never imports TRL).
-_TRL_NAMES = ("DPSFTConfig", "DPSFTTrainer")
+_TRL_NAMES = ("DPDPOConfig", "DPDPOTrainer", "DPSFTConfig", "DPSFTTrainer")
 
 
 def __getattr__(name: str):

@@ -1,4 +1,5 @@
-"""DP trainers for TRL: :class:`DPSFTTrainer` / :class:`DPSFTConfig` (supervised fine-tuning).
+"""DP trainers for TRL: :class:`DPSFTTrainer` / :class:`DPSFTConfig` (supervised fine-tuning), and
+:class:`DPDPOTrainer` / :class:`DPDPOConfig` (preference optimisation, in :mod:`hf_dp.trl_dpo`).
 
 TRL's ``sft.py`` changes three names: ``SFTConfig`` -> ``DPSFTConfig``, ``SFTTrainer`` -> ``DPSFTTrainer`` and the
 import. Everything else is TRL's: the model given as a Hub id or path (``model_init_kwargs``), ``peft_config``,
@@ -27,8 +28,8 @@ try:
     from trl import SFTConfig, SFTTrainer
 except ImportError as error:  # pragma: no cover - exercised in an environment without TRL
     raise ImportError(
-        "hf_dp's TRL trainers (DPSFTTrainer, DPSFTConfig) need TRL: install it with `pip install 'hf_dp[trl]'` "
-        "(trl>=1.0)."
+        "hf_dp's TRL trainers (DPSFTTrainer, DPSFTConfig, DPDPOTrainer, DPDPOConfig) need TRL: install it with "
+        "`pip install 'hf_dp[trl]'` (trl>=1.0)."
     ) from error
 
 from packaging.version import Version
@@ -42,7 +43,19 @@ if Version(_trl.__version__) < Version("1.0"):  # pragma: no cover
 
 logger = logging.getLogger("hf_dp")
 
-__all__ = ["DPSFTConfig", "DPSFTTrainer"]
+__all__ = ["DPSFTConfig", "DPSFTTrainer"]  # and DPDPOConfig, DPDPOTrainer (module __getattr__)
+
+#: Served by :mod:`hf_dp.trl_dpo` (imported on first use: it imports this module).
+_DPO_NAMES = ("DPDPOConfig", "DPDPOTrainer")
+
+
+def __getattr__(name: str):
+    if name in _DPO_NAMES:
+        from . import trl_dpo
+
+        return getattr(trl_dpo, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: TRL SFT loss types hf_dp computes per example (each is a per-token loss; TRL's batch-level token mean is replaced
 #: by the example's own reduction, ``per_example_loss_reduction``).

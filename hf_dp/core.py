@@ -300,6 +300,8 @@ class DPTrainerMixin:
                 present,
                 reduction=self.args.per_example_loss_reduction,
                 label_smoothing=self.args.label_smoothing_factor,
+                model=self.model,
+                inputs=inputs,
             )
         batch_size = _batch_size(inputs)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 1 or loss.shape[0] != batch_size:
@@ -359,9 +361,13 @@ class DPTrainerMixin:
 
     # ------------------------------------------------------------------ step
     def _loss_scale(self) -> float:
-        """``w``: the factor between the true per-example gradients and those the backward produced (K / L)."""
+        """``w``: the factor between the true per-example gradients and those the backward produced (K / L). With
+        fp16, K is the scale policy's (a host float the scaler is set to in ``_dp_step``: no read of the device)."""
         scaler = getattr(self.accelerator, "scaler", None)
-        k = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+        k = 1.0
+        if scaler is not None and scaler.is_enabled():
+            policy = getattr(self, "_scale_policy", None)
+            k = policy.scale if policy is not None else float(scaler.get_scale())
         accumulation = getattr(self.accelerator, "gradient_accumulation_steps", 1) or 1
         return k / (self.dp_plan.expected_batch_size * accumulation)
 
@@ -411,8 +417,9 @@ class DPTrainerMixin:
                 )
                 self._scale_policy = NoisedOverflowScalePolicy(scale=float(scaler.get_scale()), threshold=threshold)
             # The scale of this step is the policy's, never GradScaler's own (which would only ever grow: see
-            # hf_dp.loss_scale); the previous optimizer step has run, so changing it now is safe.
-            if float(scaler.get_scale()) != self._scale_policy.scale:
+            # hf_dp.loss_scale); the previous optimizer step has run, so changing it now is safe. Set on the device
+            # every micro-batch (a fill, no read back: the scaler's own growth may have changed it).
+            if scaler._get_scale_async() is not None:
                 scaler.update(new_scale=self._scale_policy.scale)
         scale = self._loss_scale()
         placeholder = inputs.get(PLACEHOLDER_KEY) if is_empty_batch(inputs) else None
@@ -445,6 +452,10 @@ class DPTrainerMixin:
             try:
                 with no_sync:
                     loss = super().training_step(model, inputs, num_items_in_batch)
+            except BaseException:
+                if self.clipper is not None:  # a refusal raised in the backward: nothing of this pass stays
+                    self.clipper.abandon()
+                raise
             finally:
                 self._dp_step_active, self._loss_weight, self._sampled_examples = False, 1.0, None
             if not self._per_example_loss_seen:
@@ -463,12 +474,17 @@ class DPTrainerMixin:
                 # with k of G groups kept, its contribution (k groups at C / sqrt(G), count (G - k) / G) has norm at
                 # most C, so the noised count stays one Gaussian mechanism with the gradient (hf_dp.loss_scale).
                 dropped = (~torch.isfinite(self.clipper.per_group_norms)).float().mean(0)
-                self._dropped_examples += float(dropped.sum())
+                # summed on the device (float64, as the host sum was): read once per step, by the scale policy
+                self._dropped_examples = self._dropped_examples + dropped.sum().to(_count_dtype(dropped.device))
         if self.accelerator.sync_gradients:
             self._ensure_grads()
             dropped = None
             if scaler is not None:
-                dropped = torch.tensor([self._dropped_examples], dtype=torch.float32, device=self.args.device)
+                count = self._dropped_examples
+                if isinstance(count, torch.Tensor):
+                    dropped = count.to(device=self.args.device, dtype=torch.float32).reshape(1)
+                else:
+                    dropped = torch.tensor([count], dtype=torch.float32, device=self.args.device)
                 self._dropped_examples = 0.0
             if self._sharded is not None:
                 # FSDP2: each process holds its shard of the global sum; it adds N(0, sigma^2 C^2) to it from its own
@@ -537,8 +553,8 @@ class DPTrainerMixin:
                 device=device,
                 dtype=torch.float32,
             )
-            for t, n in zip(targets, noise, strict=True):
-                t.add_(n.to(t.dtype))
+            # one fused add for every tensor of the device (the same element-wise sums as one add_ per tensor)
+            torch._foreach_add_(targets, [n.to(t.dtype) for t, n in zip(targets, noise, strict=True)])
 
     # ------------------------------------------------------------------ privacy state, logs, train
     @property
@@ -899,3 +915,8 @@ def _batch_size(inputs: dict[str, Any]) -> int:
 
 def _first_example(dataset) -> list:
     return [dataset[0]]
+
+
+def _count_dtype(device: torch.device) -> torch.dtype:
+    """float64 where the device has it (the dropped-example count is summed as the host's Python floats were)."""
+    return torch.float32 if device.type == "mps" else torch.float64

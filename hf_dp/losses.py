@@ -20,13 +20,17 @@ __all__ = [
     "LOSS_TYPES",
     "PER_EXAMPLE_LOSSES",
     "causal_lm_loss",
+    "ctc_loss",
     "infer_loss_type",
     "masked_lm_loss",
+    "multi_label_classification_loss",
     "multiple_choice_loss",
     "per_example_loss",
     "question_answering_loss",
+    "regression_loss",
     "seq2seq_lm_loss",
     "sequence_classification_loss",
+    "single_label_classification_loss",
     "token_classification_loss",
     "token_loss",
 ]
@@ -90,23 +94,91 @@ def token_classification_loss(
     return token_loss(logits, labels, reduction=reduction, label_smoothing=label_smoothing)
 
 
-def sequence_classification_loss(logits: Tensor, labels: Tensor, *, label_smoothing: float = 0.0) -> Tensor:
-    """``[B]`` loss of a classification head: cross-entropy, or squared error for one regression output."""
-    if logits.shape[-1] == 1 and labels.is_floating_point():
-        if label_smoothing:
-            raise ValueError(
-                f"`label_smoothing_factor`={label_smoothing} does not apply to a regression head (one output, float "
-                "labels). Set `label_smoothing_factor=0`."
-            )
-        return (logits.squeeze(-1) - labels.to(logits.dtype)).pow(2)
-    if labels.is_floating_point() and labels.shape == logits.shape:
+def _no_smoothing(label_smoothing: float, what: str) -> None:
+    if label_smoothing:
         raise ValueError(
-            "Multi-label classification (float labels of shape [B, num_labels]) needs a per-example BCE loss: pass "
-            "`compute_loss_func(outputs, labels)` returning one loss per example."
+            f"`label_smoothing_factor`={label_smoothing} does not apply to {what}. Set `label_smoothing_factor=0`."
         )
+
+
+def regression_loss(logits: Tensor, labels: Tensor, *, label_smoothing: float = 0.0) -> Tensor:
+    """``[B]`` squared error of a regression head, averaged over its outputs (HF's ``MSELoss`` is the mean of these
+    over the batch: ``problem_type="regression"``)."""
+    _no_smoothing(label_smoothing, "a regression head (`problem_type='regression'`)")
+    batch = logits.shape[0]
+    logits = _float(logits).reshape(batch, -1)
+    return (logits - labels.to(logits.dtype).reshape(batch, -1)).pow(2).mean(1)
+
+
+def multi_label_classification_loss(logits: Tensor, labels: Tensor, *, label_smoothing: float = 0.0) -> Tensor:
+    """``[B]`` binary cross-entropy with logits, averaged over the labels of each example (HF's
+    ``BCEWithLogitsLoss`` is the mean of these over the batch: ``problem_type="multi_label_classification"``)."""
+    _no_smoothing(label_smoothing, "multi-label classification (`problem_type='multi_label_classification'`)")
+    batch = logits.shape[0]
+    logits = _float(logits).reshape(batch, -1)
+    targets = labels.to(logits.dtype).reshape(batch, -1)
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits, targets, reduction="none").mean(1)
+
+
+def sequence_classification_loss(logits: Tensor, labels: Tensor, *, label_smoothing: float = 0.0) -> Tensor:
+    """``[B]`` loss of a classification head with ``problem_type`` unset, chosen as HF chooses it: squared error for
+    one output, cross-entropy for integer labels, else per-label binary cross-entropy (multi-label)."""
+    if logits.shape[-1] == 1:
+        return regression_loss(logits, labels, label_smoothing=label_smoothing)
+    if labels.is_floating_point():
+        return multi_label_classification_loss(logits, labels, label_smoothing=label_smoothing)
     return torch.nn.functional.cross_entropy(
         _float(logits), labels.view(-1), reduction="none", label_smoothing=label_smoothing
     )
+
+
+def single_label_classification_loss(logits: Tensor, labels: Tensor, *, label_smoothing: float = 0.0) -> Tensor:
+    """``[B]`` cross-entropy of a classification head (``problem_type="single_label_classification"``)."""
+    return torch.nn.functional.cross_entropy(
+        _float(logits).reshape(logits.shape[0], -1),
+        labels.view(-1),
+        reduction="none",
+        label_smoothing=label_smoothing,
+    )
+
+
+def ctc_loss(
+    logits: Tensor,
+    labels: Tensor,
+    input_lengths: Tensor,
+    *,
+    blank: int = 0,
+    reduction: str = "mean",
+    zero_infinity: bool = False,
+) -> Tensor:
+    """``[B]`` CTC loss of each example (speech recognition: ``*ForCTC``), with the semantics of HF's ``ForCTCLoss``.
+
+    Args:
+        logits (`torch.Tensor`): ``[B, T, V]`` frame logits.
+        labels (`torch.Tensor`): ``[B, U]`` targets, padded with ``-100`` (or the blank id).
+        input_lengths (`torch.Tensor`): ``[B]`` valid frames of each example.
+        blank (`int`): the blank id (``config.pad_token_id`` in HF's CTC heads).
+        reduction (`str`): ``config.ctc_loss_reduction``: ``"mean"`` divides each example's loss by its own target
+            length (HF's batch loss is then the mean of these), ``"sum"`` keeps it (HF's batch loss is their sum).
+        zero_infinity (`bool`): ``config.ctc_zero_infinity``: an impossible alignment gives 0 (and no gradient).
+    """
+    _check_reduction(reduction)
+    keep = (labels != IGNORE_INDEX) & (labels != blank)
+    target_lengths = keep.sum(-1)
+    log_probs = torch.nn.functional.log_softmax(_float(logits), dim=-1).transpose(0, 1)
+    with torch.backends.cudnn.flags(enabled=False):  # as HF: cuDNN's CTC needs other layouts and dtypes
+        loss = torch.nn.functional.ctc_loss(
+            log_probs,
+            labels.masked_select(keep),
+            input_lengths.to(torch.long),
+            target_lengths,
+            blank=blank,
+            reduction="none",
+            zero_infinity=zero_infinity,
+        )
+    if reduction == "mean":
+        loss = loss / target_lengths.clamp_min(1).to(loss.dtype)
+    return loss
 
 
 def multiple_choice_loss(logits: Tensor, labels: Tensor, *, label_smoothing: float = 0.0) -> Tensor:
@@ -148,13 +220,20 @@ def _logits(outputs: Any, name: str = "logits") -> Tensor:
 
 
 def _token_type_loss(fn):
-    def loss(outputs, labels, *, reduction, label_smoothing):
+    def loss(outputs, labels, *, reduction, label_smoothing, **context):
         return fn(_logits(outputs), labels["labels"], reduction=reduction, label_smoothing=label_smoothing)
 
     return loss
 
 
-def _causal(outputs, labels, *, reduction, label_smoothing):
+def _head_loss(fn):
+    def loss(outputs, labels, *, reduction, label_smoothing, **context):
+        return fn(_logits(outputs), labels["labels"], label_smoothing=label_smoothing)
+
+    return loss
+
+
+def _causal(outputs, labels, *, reduction, label_smoothing, **context):
     if "shift_labels" in labels:  # labels already shifted by the collator: no second shift
         return token_loss(
             _logits(outputs), labels["shift_labels"], reduction=reduction, label_smoothing=label_smoothing
@@ -162,15 +241,7 @@ def _causal(outputs, labels, *, reduction, label_smoothing):
     return causal_lm_loss(_logits(outputs), labels["labels"], reduction=reduction, label_smoothing=label_smoothing)
 
 
-def _sequence(outputs, labels, *, reduction, label_smoothing):
-    return sequence_classification_loss(_logits(outputs), labels["labels"], label_smoothing=label_smoothing)
-
-
-def _choice(outputs, labels, *, reduction, label_smoothing):
-    return multiple_choice_loss(_logits(outputs), labels["labels"], label_smoothing=label_smoothing)
-
-
-def _span(outputs, labels, *, reduction, label_smoothing):
+def _span(outputs, labels, *, reduction, label_smoothing, **context):
     return question_answering_loss(
         _logits(outputs, "start_logits"),
         _logits(outputs, "end_logits"),
@@ -180,15 +251,56 @@ def _span(outputs, labels, *, reduction, label_smoothing):
     )
 
 
+def _base_model(model):
+    if model is None:
+        return None
+    model = getattr(model, "module", model)  # DDP / DataParallel
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _ctc(outputs, labels, *, reduction, label_smoothing, model=None, inputs=None, **context):
+    """CTC with the model's own settings: blank ``config.pad_token_id``, ``config.ctc_loss_reduction``,
+    ``config.ctc_zero_infinity``; frames per example from the attention mask through the model's
+    ``_get_feat_extract_output_lengths`` (all frames without a mask). ``per_example_loss_reduction`` does not apply:
+    ``ctc_loss_reduction`` is the model's."""
+    _no_smoothing(label_smoothing, "a CTC loss")
+    base = _base_model(model)
+    if base is None or getattr(base, "config", None) is None:
+        raise ValueError(
+            "The 'ctc' per-example loss needs the model (its `config.pad_token_id`, `ctc_loss_reduction`, "
+            "`ctc_zero_infinity` and `_get_feat_extract_output_lengths`): pass `model=` to `per_example_loss`."
+        )
+    config = base.config
+    logits = _logits(outputs)
+    mask = None if inputs is None else inputs.get("attention_mask")
+    if mask is None:
+        lengths = torch.full((logits.shape[0],), logits.shape[1], dtype=torch.long, device=logits.device)
+    else:
+        lengths = base._get_feat_extract_output_lengths(mask.sum(-1)).to(device=logits.device, dtype=torch.long)
+    blank = config.pad_token_id if config.pad_token_id is not None else 0
+    return ctc_loss(
+        logits,
+        labels["labels"].to(logits.device),
+        lengths,
+        blank=blank,
+        reduction=getattr(config, "ctc_loss_reduction", "sum"),
+        zero_infinity=bool(getattr(config, "ctc_zero_infinity", False)),
+    )
+
+
 #: loss_type -> function(outputs, labels: dict, *, reduction, label_smoothing) returning ``[B]``.
 PER_EXAMPLE_LOSSES = {
     "causal_lm": _causal,
     "masked_lm": _token_type_loss(masked_lm_loss),
     "seq2seq_lm": _token_type_loss(seq2seq_lm_loss),
-    "sequence_classification": _sequence,
+    "sequence_classification": _head_loss(sequence_classification_loss),
+    "single_label_classification": _head_loss(single_label_classification_loss),
+    "multi_label_classification": _head_loss(multi_label_classification_loss),
+    "regression": _head_loss(regression_loss),
     "token_classification": _token_type_loss(token_classification_loss),
     "question_answering": _span,
-    "multiple_choice": _choice,
+    "multiple_choice": _head_loss(multiple_choice_loss),
+    "ctc": _ctc,
 }
 #: loss_type -> the label tensors it reads (``causal_lm`` also reads ``shift_labels`` when the batch has them).
 LABEL_NAMES: dict[str, tuple[str, ...]] = {
@@ -196,9 +308,13 @@ LABEL_NAMES: dict[str, tuple[str, ...]] = {
     "masked_lm": ("labels",),
     "seq2seq_lm": ("labels",),
     "sequence_classification": ("labels",),
+    "single_label_classification": ("labels",),
+    "multi_label_classification": ("labels",),
+    "regression": ("labels",),
     "token_classification": ("labels",),
     "question_answering": ("start_positions", "end_positions"),
     "multiple_choice": ("labels",),
+    "ctc": ("labels",),
 }
 LOSS_TYPES = sorted(PER_EXAMPLE_LOSSES)
 
@@ -210,8 +326,13 @@ def per_example_loss(
     *,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    model: Any = None,
+    inputs: Mapping[str, Any] | None = None,
 ) -> Tensor:
     """``[B]`` loss of ``loss_type`` from the model's ``outputs`` and the batch's label tensors.
+
+    ``model`` and ``inputs`` (the whole batch) are read by the losses that need them: ``ctc`` takes its blank id and
+    reduction from ``model.config`` and its frame counts from ``inputs["attention_mask"]``.
 
     Raises:
         ValueError: an unknown loss type, or a label tensor the loss type needs is missing from the batch.
@@ -226,7 +347,9 @@ def per_example_loss(
             f"The {loss_type!r} per-example loss needs {missing} in every batch (got {sorted(labels)}); add them in "
             "the data collator (e.g. DataCollatorForLanguageModeling for a causal LM), or set `label_names`."
         )
-    return PER_EXAMPLE_LOSSES[loss_type](outputs, labels, reduction=reduction, label_smoothing=label_smoothing)
+    return PER_EXAMPLE_LOSSES[loss_type](
+        outputs, labels, reduction=reduction, label_smoothing=label_smoothing, model=model, inputs=inputs
+    )
 
 
 _CLASS_SUFFIXES = (
@@ -236,22 +359,43 @@ _CLASS_SUFFIXES = (
     ("ForCausalLM", "causal_lm"),
     ("LMHeadModel", "causal_lm"),
     ("ForMaskedLM", "masked_lm"),
+    ("ForCTC", "ctc"),
     ("ForSequenceClassification", "sequence_classification"),
+    ("ForImageClassification", "sequence_classification"),
+    ("ForAudioClassification", "sequence_classification"),
+    ("ForVideoClassification", "sequence_classification"),
     ("ForTokenClassification", "token_classification"),
 )
+#: ``config.problem_type`` of a classification head -> its loss type (the same names).
+_PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 
 
 def infer_loss_type(model) -> str:
-    """The per-example loss for a model, from its class name (PEFT models: their base model)."""
+    """The per-example loss for a model, from its class name (PEFT models: their base model); classification heads
+    (``*ForSequenceClassification``, ``*ForImageClassification``, ``*ForAudioClassification``,
+    ``*ForVideoClassification``) follow ``config.problem_type`` when it is set, and HF's own choice from the labels
+    when it is not."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     name = type(base).__name__
-    encoder_decoder = bool(getattr(getattr(base, "config", None), "is_encoder_decoder", False))
+    config = getattr(base, "config", None)
+    if getattr(config, "model_type", None) == "xlnet" and "LMHeadModel" in name:
+        raise ValueError(
+            f"{name} trains with XLNet's permutation language modelling (`perm_mask`, `target_mapping`: logits "
+            "aligned with `labels`, no shift), not a shifted causal LM: hf_dp does not infer its loss. Set "
+            "`dp_loss_type='masked_lm'` (the loss on the positions whose label is not -100, no shift) after "
+            "checking that it matches your data collator, or pass `compute_loss_func(outputs, labels)`."
+        )
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
     for suffix, loss_type in _CLASS_SUFFIXES:
         if suffix in name and (loss_type != "seq2seq_lm" or encoder_decoder):
+            if loss_type == "sequence_classification":
+                problem_type = getattr(config, "problem_type", None)
+                if problem_type in _PROBLEM_TYPES:
+                    return problem_type
             return loss_type
     if encoder_decoder:
         return "seq2seq_lm"
     raise ValueError(
-        f"Cannot tell which per-example loss {name} needs. Set `loss_type` in DPTrainingArguments to one of "
+        f"Cannot tell which per-example loss {name} needs. Set `dp_loss_type` in DPTrainingArguments to one of "
         f"{LOSS_TYPES}, or pass `compute_loss_func(outputs, labels)` returning one loss per example."
     )

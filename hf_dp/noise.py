@@ -14,6 +14,7 @@ Whoever can regenerate the noise of a step can subtract it from the released wei
 
 Each step ``s`` draws, on each device, from a fresh generator seeded by a hash of ``(base seed, s, stream, device)``,
 so the noise of a step depends on the step index and the secret only, never on how many tensors earlier steps drew.
+The tensors of one call that share a standard deviation come from one flat draw (one kernel), split into views.
 """
 
 from __future__ import annotations
@@ -98,7 +99,18 @@ class NoiseSource:
             return [t.to(dtype) for t in out]
         generator = torch.Generator(device=device)
         generator.manual_seed(_step_seed(self._base, step, self.stream, device))
-        return [
-            torch.normal(0.0, sd, tuple(shape), generator=generator, device=device, dtype=draw_dtype).to(dtype)
-            for shape, sd in zip(shapes, stds, strict=True)
-        ]
+        # One flat draw per run of consecutive shapes with the same std (one kernel for all of a model's gradients),
+        # split into views: every coordinate is still an independent N(0, std^2) draw from this step's stream.
+        out: list[torch.Tensor] = []
+        start = 0
+        while start < len(shapes):
+            end = start + 1
+            while end < len(shapes) and stds[end] == stds[start]:
+                end += 1
+            run = [tuple(shape) for shape in shapes[start:end]]
+            sizes = [math.prod(shape) for shape in run]
+            flat = torch.normal(0.0, stds[start], (sum(sizes),), generator=generator, device=device, dtype=draw_dtype)
+            flat = flat.to(dtype)
+            out.extend(part.view(shape) for part, shape in zip(flat.split(sizes), run, strict=True))
+            start = end
+        return out

@@ -40,6 +40,14 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
         ],
     ),
     (
+        "PEFT DoRA (`use_dora=True`: magnitude vector, direction normalised by the detached weight norm), on "
+        "GPT-2 `Conv1D` (`fan_in_fan_out`) and Llama",
+        f"exact: {ALL}",
+        "fallback on the adapted layer (peft's own forward re-run per example: its `lora_B(lora_A(eye))` "
+        "weight-norm use has no batch dimension and no gradient)",
+        ["test_dora::test_dora_is_exact", "test_dora::test_dora_through_the_trainer_is_exact"],
+    ),
+    (
         "OPT (125m and 350m style)",
         f"exact: {ALL}",
         "closed forms on the flattened `[B*T, d]` rows (proven contiguous per example)",
@@ -98,6 +106,22 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
         f"exact: {ALL}",
         "[CLS]/distillation tokens and position embeddings: fallback on the embeddings module; the rest closed forms",
         ["models:vit", "models:deit"],
+    ),
+    (
+        "`*ForImageClassification` (ViT, ConvNeXt, DeiT, Swin, ...) with `problem_type` single-label, multi-label, "
+        "regression",
+        "exact through `DPTrainer` (bk-mixopt), loss inferred",
+        "ConvNeXt: depthwise convolutions and layer scales on the fallback, the rest closed forms",
+        ["test_vision_speech::TestVision"],
+    ),
+    (
+        "wav2vec2 `*ForCTC` (per-example CTC loss) and `*ForSequenceClassification`; SpecAugment in training",
+        f"exact: {ALL} (SpecAugment with `masked_spec_embed` frozen); a trainable `masked_spec_embed` with "
+        "SpecAugment on: refused at the first step",
+        "the mask embedding written in place into `feature_projection`'s output is seen by the hook on its storage "
+        "root; numpy's masks cannot be replayed by the fallback's per-example re-run of the model, which is refused "
+        "when numpy's (or Python's) random stream moves in it",
+        ["test_vision_speech::TestSpeech"],
     ),
     (
         "BEiT (relative position bias, layer scale)",
@@ -232,8 +256,12 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
     (
         "BatchNorm; InstanceNorm with running statistics",
         "refused at construction",
-        "one example's output depends on the others (or buffers change in the forward)",
-        ["test_clipper::test_batchnorm_is_rejected_with_its_name"],
+        "one example's output depends on the others (or buffers change in the forward); the message says what to "
+        "use (`GroupNorm`, e.g. Opacus `ModuleValidator.fix`, or a model without BatchNorm such as ViT, ConvNeXt)",
+        [
+            "test_clipper::test_batchnorm_is_rejected_with_its_name",
+            "test_vision_speech::TestVision",
+        ],
     ),
     (
         "`nn.Embedding` with `max_norm`, `scale_grad_by_freq` or `sparse`",

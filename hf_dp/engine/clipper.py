@@ -278,9 +278,20 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
             try:
                 per_example_loss.sum().backward(retain_graph=self.mode == "ghost")
             except BaseException:
-                self._prepared, self._pass = False, None
+                self.abandon()
                 raise
         return self.finish(per_example_loss if self.mode == "ghost" else None)
+
+    def abandon(self) -> None:
+        """Drop the pass between ``prepare()`` and ``finish()`` after an error in the backward pass (a refusal
+        raised in a hook): in ``"ghost"`` mode autograd's un-clipped sums are replaced by ``p.grad`` as it was at
+        ``prepare()``; in the one-backward modes autograd writes none, and a group a hook already clipped stays."""
+        p = self._pass
+        if self._prepared and p is not None and self.mode == "ghost" and p.grads_before is not None:
+            for q in self._trainable:
+                q.grad = p.grads_before.get(q)
+        self._prepared, self._pass = False, None
+        self._recompute_leave()
 
     def prepare(self, per_example_loss: Tensor, *, loss_scale: float | None = None) -> None:
         """Start book-keeping the backward pass of ``per_example_loss`` that the caller is about to run.

@@ -17,7 +17,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..layers.grads import PerExampleGrad, inner, merge, norm_sq, weighted_sum
+from ..layers.grads import (
+    FactoredGrad,
+    IndexFactor,
+    InstantiatedGrad,
+    PerExampleGrad,
+    inner,
+    merge,
+    norm_sq,
+    weighted_sum,
+)
 from .state import Pass, grad_stamp
 
 __all__ = ["GroupClipping"]
@@ -46,7 +55,7 @@ class GroupClipping:
                 continue
             if p.use_counts.get(q, 0) > 1 or p.keep_all:
                 extra, parts = self._merged_norm_sq(parts)
-                p.norm_sq[g] += extra
+                p.norm_sq[g].add_(extra)  # in place on the row (`+=` on an index also copies it back)
             pieces[q] = parts
         return pieces
 
@@ -56,8 +65,9 @@ class GroupClipping:
             pieces = self._group_pieces(p, g)
             norms = p.norm_sq[g].sqrt() / (p.loss_scale or 1.0)
             coef = self.policy.coefficients(norms, len(self._groups))
-            finite = torch.isfinite(norms)
-            keep = None if bool(finite.all()) else finite
+            # examples whose norm is not finite are masked on the device (no host sync to ask whether any is)
+            keep = torch.isfinite(norms)
+            zeros: dict[torch.dtype, Tensor] = {}
             p.coef[g] = coef
             for q in self._groups.params[g]:
                 parts = pieces.pop(q, None)
@@ -65,9 +75,9 @@ class GroupClipping:
                 # the dtype of the parameter the optimizer steps on (FSDP2 may compute in a lower one)
                 dtype = self._registered.get(q, q).dtype
                 if parts:
-                    total = weighted_sum(parts[0], coef, dtype, keep)
+                    total = weighted_sum(_masked(parts[0], keep, zeros), coef, dtype)
                     for part in parts[1:]:
-                        total += weighted_sum(part, coef, dtype, keep)
+                        total += weighted_sum(_masked(part, keep, zeros), coef, dtype)
                     del parts
                 self._deliver(p, q, total)
         p.done[g] = True
@@ -115,3 +125,20 @@ class GroupClipping:
             q.grad = p.grads_before[q]
             self._deliver(p, q, total)
         return coef.detach()
+
+
+def _masked(grad: PerExampleGrad, keep: Tensor, zeros: dict) -> PerExampleGrad:
+    """``grad`` with the examples not in ``keep`` zeroed in every dense factor (``inf * 0`` would still be nan): the
+    same sums as ``weighted_sum(grad, coef, dtype, keep)``, one ``where`` per factor and one zero per dtype."""
+
+    def mask(f):
+        if isinstance(f, IndexFactor):
+            return f
+        zero = zeros.get(f.dtype)
+        if zero is None:
+            zero = zeros[f.dtype] = torch.zeros((), dtype=f.dtype, device=f.device)
+        return torch.where(keep.view((-1,) + (1,) * (f.dim() - 1)), f, zero)
+
+    if isinstance(grad, InstantiatedGrad):
+        return InstantiatedGrad(mask(grad.value))
+    return FactoredGrad(mask(grad.left), mask(grad.right), grad.shape)

@@ -68,7 +68,12 @@ def _reject_batch_statistics(model: nn.Module) -> None:
             raise UnsupportedModuleError(
                 f"Module `{name}` ({type(module).__name__}) is a BatchNorm layer: its output for one example depends "
                 "on the others in the batch, so no per-example gradient exists and DP-SGD cannot bound the "
-                "sensitivity. Replace it with GroupNorm or LayerNorm (Opacus `ModuleValidator.fix` does this)."
+                "sensitivity (frozen or not: in training mode it normalises with the batch's statistics). Replace it "
+                "with a per-example normalisation, `torch.nn.GroupNorm(num_groups, num_channels)` for each "
+                "`BatchNorm*d(num_channels)` (Opacus `ModuleValidator.fix(model)` is such a converter; the "
+                "pretrained statistics are lost, so fine-tune after converting), or `LayerNorm`; or choose a model "
+                "without BatchNorm (vision: ViT, DeiT, BEiT, Swin, ConvNeXt, DINOv2 train with LayerNorm; ResNet, "
+                "SegFormer, MobileNet, EfficientNet, RegNet use BatchNorm)."
             )
         if (
             isinstance(module, _InstanceNorm)

@@ -21,11 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import weakref
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None
 
 from .base import Captured, LayerRule, Layout, UnsupportedModuleError, autocast_like
 from .grads import InstantiatedGrad, PerExampleGrad
@@ -128,6 +134,7 @@ class FallbackRule(LayerRule):
             return total
 
         versions = [b._version for b in module.buffers()]
+        host_streams = _HostRandomStreams()
         try:
             per_example = None
             if module not in _LOOP_MODULES and not captured.random:
@@ -155,7 +162,9 @@ class FallbackRule(LayerRule):
                         return RandomReplayer(captured.random, batch_size, i, name)
 
                 per_example = self._loop(objective, params, inputs, out_grads, out_dims, batch_size, replay)
+            host_streams.check(module, sorted(named))
         finally:
+            host_streams.restore()
             if versions != [b._version for b in module.buffers()]:
                 raise UnsupportedModuleError(
                     f"{type(module).__name__} changed its buffers in its forward pass (e.g. running statistics); "
@@ -197,6 +206,40 @@ def _same_random_stream():
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+class _HostRandomStreams:
+    """numpy's and Python's global random streams around a re-run: a draw there (wav2vec2's SpecAugment masks come
+    from ``np.random``) cannot be recorded and replayed like torch's, so the re-run computed with other numbers than
+    the forward pass did: refused, and the streams are left as they were."""
+
+    def __init__(self) -> None:
+        self.python = random.getstate()
+        self.numpy = np.random.get_state() if np is not None else None
+
+    def _numpy_moved(self) -> bool:
+        if self.numpy is None:
+            return False
+        now = np.random.get_state()
+        return now[2:] != self.numpy[2:] or not np.array_equal(now[1], self.numpy[1])
+
+    def check(self, module: nn.Module, names: list[str]) -> None:
+        moved = [m for m, yes in (("numpy", self._numpy_moved()), ("random", random.getstate() != self.python)) if yes]
+        if moved:
+            raise UnsupportedModuleError(
+                f"{type(module).__name__} draws random numbers from {' and '.join(f'`{m}`' for m in moved)} in its "
+                f"forward pass (e.g. wav2vec2's SpecAugment masks, `mask_time_prob` / `mask_feature_prob`), and the "
+                f"torch.func fallback that covers its own parameters {names} re-runs that forward per example: the "
+                "re-run draws other numbers than the forward pass did, so its per-example gradients would be wrong. "
+                "Freeze those parameters (wav2vec2-style models: `model.<base>.masked_spec_embed.requires_grad_(False)`"
+                "; the masks are then drawn once, in the forward pass, and training is exact) or turn the draws off "
+                "(`mask_time_prob=0`, `mask_feature_prob=0`)."
+            )
+
+    def restore(self) -> None:
+        random.setstate(self.python)
+        if self.numpy is not None:
+            np.random.set_state(self.numpy)
 
 
 FALLBACK_RULE = FallbackRule()

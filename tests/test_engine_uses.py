@@ -211,6 +211,33 @@ def test_a_checkpoint_function_hf_dp_does_not_know_is_refused(float64, mode):
     clipper.remove()
 
 
+class BatchSizedTable(nn.Module):
+    """Takes the batch size, not a batched tensor (Perceiver's trainable positions, ProphetNet's positions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(5, 4))
+
+    def forward(self, batch_size: int):
+        return self.table.expand(batch_size, -1, -1)
+
+
+class WithBatchSizedTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions, self.inp, self.out = BatchSizedTable(), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inp(x) + self.positions(x.shape[0])))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_module_given_the_batch_size_builds_each_examples_rows(float64, mode):
+    """Its re-run (inputs shared) returns the whole batch's rows; each example's gradient is that of its own rows."""
+    torch.manual_seed(0)
+    check_clipper(WithBatchSizedTable(), _batches() + _batches(), _loss, mode=mode)
+
+
 class LossUsesAWeight(nn.Module):
     def __init__(self) -> None:
         super().__init__()

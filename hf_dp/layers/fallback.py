@@ -110,7 +110,9 @@ class FallbackRule(LayerRule):
         positions = [j for j, _, _ in used]
         params = {name: p.detach() for name, p in named.items()}
 
-        def objective(params: dict[str, Tensor], example_inputs: list[Tensor], example_grads: list[Tensor]) -> Tensor:
+        def objective(
+            params: dict[str, Tensor], example_inputs: list[Tensor], example_grads: list[Tensor], index: Tensor
+        ) -> Tensor:
             args, kwargs = inputs.rebuild(example_inputs)
             with autocast_like(captured.autocast):  # the precision the forward computed in
                 out = torch.func.functional_call(module, params, tuple(args), kwargs)
@@ -121,15 +123,23 @@ class FallbackRule(LayerRule):
                     f"{len(out_layouts)} for the batch; the torch.func fallback cannot match them."
                 )
             total = None
-            for j, g in zip(positions, example_grads, strict=True):
-                if out_leaves[j].shape != g.shape:  # a broadcast here would sum other examples' rows in silently
+            for j, g, dim in zip(positions, example_grads, out_dims, strict=True):
+                out_j = out_leaves[j]
+                if out_j.shape != g.shape and _whole_batch(out_j, g, dim, batch_size):
+                    # Every input passed whole (shared), and the call built the whole batch's rows from them (e.g.
+                    # `position_embeddings.expand(batch_size, ...)`, Perceiver and ProphetNet take the batch size):
+                    # this example's output is its own rows of that output.
+                    rows = out_j.unflatten(dim, (batch_size, g.shape[dim]))
+                    pick = torch.nn.functional.one_hot(index, batch_size).to(rows.dtype)
+                    out_j = torch.tensordot(rows.movedim(dim, -1), pick, dims=([rows.dim() - 1], [0]))
+                if out_j.shape != g.shape:  # a broadcast here would sum other examples' rows in silently
                     raise UnsupportedModuleError(
                         f"{type(module).__name__} re-run on one example returned output {j} of shape "
                         f"{tuple(out_leaves[j].shape)}, but that example's rows of the batch's output have shape "
                         f"{tuple(g.shape)}: an input the engine passed whole (proven shared by every example) is "
                         "not shared on this batch."
                     )
-                term = (out_leaves[j] * g.to(out_leaves[j].dtype)).sum()
+                term = (out_j * g.to(out_j.dtype)).sum()
                 total = term if total is None else total + term
             return total
 
@@ -140,8 +150,8 @@ class FallbackRule(LayerRule):
             if module not in _LOOP_MODULES and not captured.random:
                 try:
                     per_example = torch.func.vmap(
-                        torch.func.grad(objective), in_dims=(None, inputs.dims, out_dims), randomness="error"
-                    )(params, inputs.batched, out_grads)
+                        torch.func.grad(objective), in_dims=(None, inputs.dims, out_dims, 0), randomness="error"
+                    )(params, inputs.batched, out_grads, torch.arange(batch_size, device=out_grads[0].device))
                 except UnsupportedModuleError:
                     raise
                 except Exception as err:  # noqa: BLE001  (vmap cannot run every module: fall back to a loop)
@@ -182,7 +192,7 @@ class FallbackRule(LayerRule):
             replayer = replay(i) if replay is not None else contextlib.nullcontext()
             with torch.enable_grad(), _same_random_stream(), replayer:
                 leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
-                total = objective(leaves, example_inputs, example_grads)
+                total = objective(leaves, example_inputs, example_grads, torch.tensor(i, device=out_grads[0].device))
             if replay is not None:
                 replayer.finish()
             with torch.enable_grad():
@@ -206,6 +216,15 @@ def _same_random_stream():
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+def _whole_batch(out: Tensor, grad: Tensor, dim: int, batch_size: int) -> bool:
+    """Whether ``out`` is ``grad``'s shape with ``batch_size`` times its rows along ``dim``."""
+    if out.dim() != grad.dim() or batch_size == 1:
+        return False
+    expected = list(grad.shape)
+    expected[dim] *= batch_size
+    return list(out.shape) == expected
 
 
 class _HostRandomStreams:

@@ -238,6 +238,48 @@ def test_a_module_given_the_batch_size_builds_each_examples_rows(float64, mode):
     check_clipper(WithBatchSizedTable(), _batches() + _batches(), _loss, mode=mode)
 
 
+class WindowBias(nn.Module):
+    """A bias shared by every window of every example (Swin's relative position bias): ``[1, w, w]``, no input."""
+
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(1, w, w))
+
+    def forward(self):
+        return self.table * 1.0
+
+
+class WindowAttention(nn.Module):
+    def __init__(self, d: int, w: int) -> None:
+        super().__init__()
+        self.bias, self.proj = WindowBias(w), nn.Linear(d, d)
+
+    def forward(self, h):  # [B * windows, w, d]
+        scores = h @ h.transpose(1, 2) + self.bias()
+        return self.proj(scores.softmax(-1) @ h)
+
+
+class Windowed(nn.Module):
+    """Two stages with 4 and 2 windows per example: each bias is expanded to its own stage's rows per example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.first, self.second = nn.Linear(4, 4), WindowAttention(4, 2), WindowAttention(4, 4)
+
+    def forward(self, x):  # [B, 8, 4]
+        b = x.shape[0]
+        h = self.first(self.inp(x).reshape(b * 4, 2, 4)).reshape(b, 8, 4)
+        return self.second(h.reshape(b * 2, 4, 4)).reshape(b, 8, 4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_shared_biases_over_a_different_number_of_rows_per_stage(float64, mode):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(3, 8, 4, generator=g, dtype=torch.float64)} for _ in range(2)]
+    check_clipper(Windowed(), batches, _loss, mode=mode)
+
+
 class LossUsesAWeight(nn.Module):
     def __init__(self) -> None:
         super().__init__()

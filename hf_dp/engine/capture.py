@@ -322,6 +322,7 @@ class CallCapture:
             batch_size=self._pass.size,
             autocast=autocast_state(),
             random=random,
+            expanded=tuple(lay is not None and lay.broadcast for lay in layout.outputs),
         )
 
     def _capture_closed_form(self, entry, params, module, args, kwargs, output, layout: CallLayout, frame):

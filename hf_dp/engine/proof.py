@@ -72,9 +72,15 @@ class PlanProof:
         # (multiple choice flattens [B, choices, T] to [B * choices, T]); keep the first that leaves the model's
         # output unchanged on the probe.
         changed = bool(expanding)
-        for repeat in plan.repeats if expanding else ():
+        # First the rows per example of each call's caller (Swin adds a [1, h, w, w] bias to the attention of the
+        # windows of each example, a number that differs from stage to stage), then one repeat for every call.
+        own = [_caller_rows(two, by_id[entry_id].module, ordinal) for (entry_id, ordinal), _ in expanding]
+        choices = ([own] if all(r is not None for r in own) and len(set(own)) > 1 else []) + [
+            [repeat] * len(expanding) for repeat in plan.repeats
+        ]
+        for repeats in choices if expanding else ():
             expand = {}
-            for (entry_id, ordinal), layout in expanding:
+            for ((entry_id, ordinal), layout), repeat in zip(expanding, repeats, strict=True):
                 layout.outputs = [
                     replace(x, repeat=repeat) if j in layout.expand else x for j, x in enumerate(layout.outputs)
                 ]
@@ -201,3 +207,19 @@ def _same_structure(call, in_leaves, out_leaves, fallback: bool) -> bool:
     if [_kind(x) for x in call.out_leaves] != [_kind(x) for x in out_leaves]:
         return False
     return not fallback or [_kind(x) for x in call.in_leaves] == [_kind(x) for x in in_leaves]
+
+
+def _caller_rows(two, module: nn.Module, ordinal: int) -> int | None:
+    """Rows per example of the largest batch-first tensor input of the nearest call around ``module``'s call
+    ``ordinal`` that has one, in the run on two examples (``None`` if none has)."""
+    call = next((c for c in two.calls if c.module is module and c.ordinal == ordinal), None)
+    while call is not None and call.parent is not None:  # the nearest caller with such an input (Swin-V2's bias MLP
+        call = two.calls[call.parent]  # runs in an `nn.Sequential` on a table without examples)
+        rows = [
+            x.shape[0] // 2
+            for x in call.in_leaves
+            if isinstance(x, Tensor) and x.is_floating_point() and x.dim() > 0 and x.shape[0] % 2 == 0
+        ]
+        if rows:
+            return max(rows)
+    return None

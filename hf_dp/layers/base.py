@@ -75,7 +75,8 @@ class Captured:
     ``layouts`` and ``batch_size`` are filled in by the engine for rules whose ``layout`` is ``"any"`` (the
     fallback): the proven layout of every input and output tensor, and the number of examples; ``autocast`` is the
     autocast state the call ran under (see :func:`autocast_state`), for rules that re-run the module; ``random`` the
-    random draws of the call (:mod:`.replay`).
+    random draws of the call (:mod:`.replay`); ``expanded`` which outputs were ``[1, ...]`` and expanded to the
+    examples' rows (a re-run returns them unexpanded).
     """
 
     args: tuple[Any, ...]
@@ -85,6 +86,7 @@ class Captured:
     batch_size: int | None = None
     autocast: tuple = ()
     random: list = field(default_factory=list)
+    expanded: tuple = ()
 
 
 class LayerRule:

@@ -107,6 +107,7 @@ class FallbackRule(LayerRule):
             return {}
         out_grads = [g.unflatten(lay.dim, (batch_size, lay.rows(g, batch_size))) for _, g, lay in used]
         out_dims = [lay.dim for _, _, lay in used]
+        broadcast = [bool(captured.expanded) and captured.expanded[j] for j, _, _ in used]
         positions = [j for j, _, _ in used]
         params = {name: p.detach() for name, p in named.items()}
 
@@ -123,9 +124,13 @@ class FallbackRule(LayerRule):
                     f"{len(out_layouts)} for the batch; the torch.func fallback cannot match them."
                 )
             total = None
-            for j, g, dim in zip(positions, example_grads, out_dims, strict=True):
+            for j, g, dim, shared in zip(positions, example_grads, out_dims, broadcast, strict=True):
                 out_j = out_leaves[j]
-                if out_j.shape != g.shape and _whole_batch(out_j, g, dim, batch_size):
+                if shared and out_j.dim() == g.dim() and out_j.shape[dim] == 1 and out_j.shape != g.shape:
+                    # a [1, ...] output the forward expanded to `repeat` rows per example (Swin's bias over the
+                    # windows of each example): each of those rows is this output
+                    out_j = out_j.expand(g.shape)
+                elif out_j.shape != g.shape and _whole_batch(out_j, g, dim, batch_size):
                     # Every input passed whole (shared), and the call built the whole batch's rows from them (e.g.
                     # `position_embeddings.expand(batch_size, ...)`, Perceiver and ProphetNet take the batch size):
                     # this example's output is its own rows of that output.

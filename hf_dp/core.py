@@ -190,7 +190,7 @@ class DPTrainerMixin:
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
         """Poisson logical batches split into ``gradient_accumulation_steps`` micro-batches (may be empty)."""
-        if not self.args.poisson_sampling:
+        if not self.dp_plan.poisson_sampling:
             return super().get_train_dataloader()
         seed = self._sampling_seed
         if seed is None:  # outside train(): draws from a throwaway secret seed (never trained on)
@@ -213,7 +213,7 @@ class DPTrainerMixin:
             self.args.gradient_accumulation_steps,
             seed=seed,
             draw_offset=self.dp_callback.draw_offset,
-            secure=self.args.secure_mode,
+            secure=self.dp_plan.secure_mode,
             num_replicas=self.args.world_size,
             rank=self.args.process_index,
             lengths=lengths,

@@ -203,25 +203,16 @@ class DPSFTTrainer(DPTrainerMixin, _SFTTrainerInit):
         peft_config=None,
         formatting_func: Callable[[dict], str] | None = None,
     ):
-        from .checks import dp_arguments
-
-        args = dp_arguments(args, DPSFTConfig)
-        _check_sft_fields(args)  # again: the arguments may have been changed after they were built
-        if train_dataset is None:
-            raise ValueError("DPSFTTrainer needs `train_dataset` (its size N sets the sample rate and delta).")
-        sample = next(iter(train_dataset))
-        if isinstance(sample, dict) and ("image" in sample or "images" in sample):
-            raise ValueError(
-                "DPSFTTrainer does not support vision-language datasets (`image`/`images` columns) yet: TRL prepares "
-                "them on the fly in its vision collator, which hf_dp has not been checked against. Use a text dataset."
-            )
-        loaded_from = None
-        if isinstance(model, str):
-            # Loaded here, as SFTTrainer would, so that hf_dp's checks before the Trainer is built see the model.
-            loaded_from = model
-            model, processing_class = _load_model(model, args, quantization_config, processing_class)
-            quantization_config = None
-        _check_router_aux_loss(model, args)
+        args, model, processing_class, quantization_config, loaded_from = prepare_trl_init(
+            "DPSFTTrainer",
+            DPSFTConfig,
+            _check_sft_fields,
+            args,
+            model,
+            train_dataset,
+            quantization_config,
+            processing_class,
+        )
         self._dp_sft_init_kwargs = {
             "quantization_config": quantization_config,
             "peft_config": peft_config,
@@ -278,6 +269,45 @@ class DPSFTTrainer(DPTrainerMixin, _SFTTrainerInit):
         return section
 
 
+def prepare_trl_init(
+    trainer: str,
+    config_class: type,
+    check_fields: Callable,
+    args,
+    model,
+    train_dataset,
+    quantization_config,
+    processing_class,
+):
+    """What a DP TRL trainer checks and loads before TRL's ``__init__``: the arguments as ``config_class`` (checked
+    again: they may have changed after they were built), a training set of text (no vision datasets yet), the model
+    loaded here when given as a name (as TRL would, so that hf_dp's checks see it), the MoE auxiliary loss refused.
+
+    Returns:
+        ``(args, model, processing_class, quantization_config, loaded_from)``; ``loaded_from`` is the model's name when
+        it was loaded here (``quantization_config`` then went into the load), else ``None``.
+    """
+    from .checks import dp_arguments
+
+    args = dp_arguments(args, config_class)
+    check_fields(args)
+    if train_dataset is None:
+        raise ValueError(f"{trainer} needs `train_dataset` (its size N sets the sample rate and delta).")
+    sample = next(iter(train_dataset))
+    if isinstance(sample, dict) and ("image" in sample or "images" in sample):
+        raise ValueError(
+            f"{trainer} does not support vision-language datasets (`image`/`images` columns) yet: TRL prepares them "
+            "on the fly in its vision collator, which hf_dp has not been checked against. Use a text dataset."
+        )
+    loaded_from = None
+    if isinstance(model, str):
+        loaded_from = model
+        model, processing_class = _load_model(model, args, quantization_config, processing_class)
+        quantization_config = None
+    _check_router_aux_loss(model, args)
+    return args, model, processing_class, quantization_config, loaded_from
+
+
 def _load_model(model_id: str, args: DPSFTConfig, quantization_config, processing_class):
     """The model (and, when not given, the processor) SFTTrainer would load from ``model_id``."""
     from transformers import AutoProcessor, set_seed
@@ -329,14 +359,17 @@ class _DropMessage(logging.Filter):
 
 
 @contextlib.contextmanager
-def _quiet_model_init_kwargs_warning(active: bool):
-    """SFTTrainer warns that `model_init_kwargs` are ignored for a model object; DPSFTTrainer did use them."""
+def _quiet_model_init_kwargs_warning(active: bool, trainer_module=None):
+    """TRL's trainers (``trainer_module``'s logger; SFT by default) warn that `model_init_kwargs` are ignored for a
+    model object; the DP trainers did use them, loading the model themselves."""
     if not active:
         yield
         return
-    from trl.trainer import sft_trainer
+    if trainer_module is None:
+        from trl.trainer import sft_trainer as trainer_module
 
-    log = getattr(sft_trainer, "logger", None)
+    log = getattr(trainer_module, "logger", None)
+    log = getattr(log, "logger", log)  # accelerate's MultiProcessAdapter around a logging.Logger
     if not isinstance(log, logging.Logger):
         yield
         return

@@ -47,7 +47,7 @@ from .arguments import _DP_PARAMETERS_DOC, DPArgumentsMixin
 from .collators import is_empty_batch
 from .core import DPTrainerMixin
 from .losses import IGNORE_INDEX, LOSS_TYPES
-from .trl import _UNIT_ROW, _check_router_aux_loss, _DropMessage, _load_model
+from .trl import _UNIT_ROW, _quiet_model_init_kwargs_warning, prepare_trl_init
 
 logger = logging.getLogger("hf_dp")
 
@@ -233,25 +233,16 @@ class DPDPOTrainer(DPTrainerMixin, _DPOTrainerInit):
     ):
         from accelerate.utils import is_peft_model
 
-        from .checks import dp_arguments
-
-        args = dp_arguments(args, DPDPOConfig)
-        _check_dpo_fields(args)  # again: the arguments may have been changed after they were built
-        if train_dataset is None:
-            raise ValueError("DPDPOTrainer needs `train_dataset` (its size N sets the sample rate and delta).")
-        sample = next(iter(train_dataset))
-        if isinstance(sample, dict) and ("image" in sample or "images" in sample):
-            raise ValueError(
-                "DPDPOTrainer does not support vision-language preference datasets (`image`/`images` columns) yet: "
-                "TRL prepares them on the fly in its vision collator, which hf_dp has not been checked against."
-            )
-        loaded_from = None
-        if isinstance(model, str):
-            # Loaded here, as DPOTrainer would, so that hf_dp's checks before the Trainer is built see the model.
-            loaded_from = model
-            model, processing_class = _load_model(model, args, quantization_config, processing_class)
-            quantization_config = None
-        _check_router_aux_loss(model, args)
+        args, model, processing_class, quantization_config, loaded_from = prepare_trl_init(
+            "DPDPOTrainer",
+            DPDPOConfig,
+            _check_dpo_fields,
+            args,
+            model,
+            train_dataset,
+            quantization_config,
+            processing_class,
+        )
         if ref_model is not None and ref_model is model:
             raise ValueError("`model` and `ref_model` cannot be the same object; omit `ref_model` to use a copy.")
         if ref_model is None and peft_config is None and not is_peft_model(model) and not args.precompute_ref_log_probs:
@@ -263,7 +254,9 @@ class DPDPOTrainer(DPTrainerMixin, _DPOTrainerInit):
             "quantization_config": quantization_config,
             "peft_config": peft_config,
         }
-        with _quiet_model_init_kwargs_warning(loaded_from is not None):
+        from trl.trainer import dpo_trainer
+
+        with _quiet_model_init_kwargs_warning(loaded_from is not None, dpo_trainer):
             super().__init__(
                 model=model,
                 args=args,
@@ -492,24 +485,3 @@ def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     ref = copy.deepcopy(model)
     ref.requires_grad_(False)
     return ref.eval()
-
-
-@contextlib.contextmanager
-def _quiet_model_init_kwargs_warning(active: bool):
-    """DPOTrainer warns that `model_init_kwargs` are ignored for a model object; DPDPOTrainer did use them."""
-    if not active:
-        yield
-        return
-    from trl.trainer import dpo_trainer
-
-    log = getattr(dpo_trainer, "logger", None)
-    log = getattr(log, "logger", log)  # accelerate's MultiProcessAdapter around a logging.Logger
-    if not isinstance(log, logging.Logger):
-        yield
-        return
-    drop = _DropMessage("`model_init_kwargs` will be ignored")
-    log.addFilter(drop)
-    try:
-        yield
-    finally:
-        log.removeFilter(drop)

@@ -112,9 +112,10 @@ def conversational_prompt_completion_data():
     return Dataset.from_dict({"prompt": prompts, "completion": completions})
 
 
-def sft_args(tmp_dir, **overrides):
+def sft_args(tmp_dir, config_class=DPSFTConfig, **overrides):
     """One plain SGD step (lr 1, no noise), q = 1 for 8 rows (4 per micro-batch, 2 micro-batches), float64-friendly
-    (no bf16 autocast: TRL turns bf16 on by default). TRL's other defaults (gradient checkpointing on) stay."""
+    (no bf16 autocast: TRL turns bf16 on by default). TRL's other defaults (gradient checkpointing on) stay. Any DP
+    TRL config (``config_class``) takes the same."""
     base = dict(
         output_dir=tmp_dir,
         report_to="none",
@@ -137,7 +138,7 @@ def sft_args(tmp_dir, **overrides):
         max_length=32,
     )
     base.update(overrides)
-    return DPSFTConfig(**base)
+    return config_class(**base)
 
 
 def row_loss(model, row, dft=False):

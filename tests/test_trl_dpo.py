@@ -17,7 +17,7 @@ import torch.nn.functional as F
 pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
-from test_trl import gpt2, llama, lora, perturb_lora_b, tokenizer  # noqa: E402
+from test_trl import gpt2, llama, lora, perturb_lora_b, sft_args, tokenizer  # noqa: E402
 
 from hf_dp.trl import DPDPOConfig, DPDPOTrainer  # noqa: E402
 
@@ -44,32 +44,8 @@ def conversational_preference_data():
 
 
 def dpo_args(tmp_dir, **overrides):
-    """One plain SGD step (lr 1, no noise), q = 1 for 8 pairs (4 per micro-batch, 2 micro-batches); TRL's other
-    defaults (gradient checkpointing on, dropout off) stay. beta large enough that the loss is far from linear."""
-    base = dict(
-        output_dir=tmp_dir,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        noise_multiplier=0.0,
-        optim="sgd",
-        learning_rate=1.0,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_steps=1,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        noise_seed=0,
-        seed=0,
-        logging_steps=1,
-        save_strategy="no",
-        dataloader_pin_memory=False,
-        disable_tqdm=True,
-        max_length=32,
-        beta=0.5,
-    )
-    base.update(overrides)
-    return DPDPOConfig(**base)
+    """``sft_args``' single SGD step for 8 pairs, with beta large enough that the loss is far from linear."""
+    return sft_args(tmp_dir, DPDPOConfig, **{"beta": 0.5, **overrides})
 
 
 def completion_log_prob(model, prompt_ids, completion_ids):

@@ -1,4 +1,5 @@
-"""Shared pieces of the examples: argument parsing with ``--disable_dp``, the DP report, printing epsilon."""
+"""Shared pieces of the examples: argument parsing with ``--disable_dp``, the DP report, printing epsilon, the user
+column of user-level DP (``--privacy_unit user --user_column X --max_examples_per_user k``)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,18 @@ DP_FIELDS = {
     "dp_loss_type",
     "loss_type",
     "noise_seed",
+    "privacy_unit",
+    "user_column",
+    "max_examples_per_user",
+    "adaptive_clipping",
+    "target_unclipped_quantile",
+    "clipping_norm_lr",
+    "count_noise_multiplier",
 }
+
+#: Names a user column cannot have in the examples: the model inputs the preprocessing writes (and the label columns
+#: the Trainer keeps), which the kept user column would overwrite or be confused with.
+RESERVED_COLUMNS = {"input_ids", "attention_mask", "token_type_ids", "labels", "label", "label_ids"}
 
 
 #: Defaults shared by the examples (Li et al. 2022): C = 0.1, constant learning rate, no weight decay; quiet logs;
@@ -45,10 +57,25 @@ def parse_args(dataclass_types, defaults: list[str], argv: list[str] | None = No
         argv.remove("--disable_dp")
         argv = _drop_flags(argv, DP_FIELDS)
         defaults = _drop_flags(defaults, DP_FIELDS | {"max_grad_norm"})
+    elif _flag_value(argv, "privacy_unit") == "user" and _flag_value(argv, "train_sampling_strategy") is None:
+        # The rows of a sampled user stay together in one micro-batch: no grouping by length (DPTrainingArguments
+        # refuses it), so the examples' group_by_length default becomes random.
+        defaults = [*_drop_flags(defaults, {"train_sampling_strategy"}), "--train_sampling_strategy", "random"]
     training_type = TrainingArguments if disable_dp else DPTrainingArguments
     parser = HfArgumentParser((*dataclass_types, training_type))
     parsed = parser.parse_args_into_dataclasses(defaults + argv)
     return (*parsed, disable_dp)
+
+
+def _flag_value(argv: list[str], name: str) -> str | None:
+    """The value of the last ``--name value`` / ``--name=value`` in ``argv``, or None."""
+    value = None
+    for i, token in enumerate(argv):
+        if token == f"--{name}":
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        elif token.startswith(f"--{name}="):
+            value = token.split("=", 1)[1]
+    return value
 
 
 def _drop_flags(argv: list[str], names: set[str]) -> list[str]:
@@ -62,6 +89,41 @@ def _drop_flags(argv: list[str], names: set[str]) -> list[str]:
             continue
         out.append(token)
     return out
+
+
+def user_column(args: TrainingArguments) -> str | None:
+    """The training set's user column under user-level DP (``--privacy_unit user``); None otherwise (example-level
+    DP, and the ``--disable_dp`` baseline, which has no unit of privacy)."""
+    return args.user_column if getattr(args, "privacy_unit", "example") == "user" else None
+
+
+def check_user_column(column: str, available, source: str, derived: dict[str, str] | None = None) -> None:
+    """Fail early, before any model is built, when ``--user_column`` is not among the training data's columns (or the
+    example's ``derived`` ones, name -> meaning), naming what there is."""
+    if column in RESERVED_COLUMNS:
+        raise ValueError(
+            f"--user_column {column!r}: that name is a model input or label column of this example; rename the "
+            "column that names each row's user."
+        )
+    if column in available or (derived and column in derived):
+        return
+    extra = "".join(f"; or derived: {name!r} ({meaning})" for name, meaning in (derived or {}).items())
+    raise ValueError(
+        f"--user_column {column!r} is not a column of the training data ({source}). Available columns: "
+        f"{sorted(available)}{extra}. With --privacy_unit user, name the column that identifies each row's user."
+    )
+
+
+class WithoutColumns:
+    """Calls ``collator`` on the features without ``names``: the user column, which DPTrainer reads for sampling and
+    clipping but which is no model input (with ``--remove_unused_columns false`` it would reach the collator)."""
+
+    def __init__(self, collator, names):
+        self.collator = collator
+        self.names = set(names)
+
+    def __call__(self, features):
+        return self.collator([{k: v for k, v in f.items() if k not in self.names} for f in features])
 
 
 def add_lora(model, r: int, alpha: int, target_modules: str | None, task_type: str | None = None):
@@ -106,6 +168,8 @@ class PrintEpsilon(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs and state.is_world_process_zero:
             eps = "  ".join(f"{k} {v:.3f}" for k, v in logs.items() if k.startswith("epsilon"))
+            if "clip_norm" in logs:  # adaptive clipping: the C of the next step
+                eps += f"  C {logs['clip_norm']:.4g}"
             print(f"step {state.global_step}/{state.max_steps}  loss {logs['loss']:.4f}  {eps}", flush=True)
 
 
@@ -113,9 +177,24 @@ def privacy_report(trainer: Trainer) -> dict:
     if not isinstance(trainer, DPTrainer):
         return {"private": False}
     args = trainer.args
+    plan = trainer.dp_plan
     names = sorted({args.accountant, *args.epsilon_accountants})
+    if plan.privacy_unit == "user":  # N, q, the expected batch and the default delta count users
+        unit = {
+            "unit": f"user ({plan.user_column})",
+            "users": plan.num_examples,
+            "rows": plan.num_rows,
+            "max_examples_per_user": plan.max_examples_per_user,
+        }
+    else:
+        unit = {"unit": "example"}
+    adaptive = {}
+    if plan.adaptive_clipping:  # each step's C comes from noised counts only: covered by the guarantee
+        norms = list(trainer.dp_callback.clip_norms)
+        adaptive = {"adaptive_clipping": True, "clip_norms": norms, "clip_norm": trainer.dp_callback.next_clip_norm}
     return {
         "private": True,
+        **unit,
         "epsilon": {name: trainer.epsilon(name) for name in names},
         "accountant": args.accountant,
         "delta": trainer.delta,
@@ -124,6 +203,7 @@ def privacy_report(trainer: Trainer) -> dict:
         "steps": trainer.dp_callback.steps,
         "expected_batch_size": trainer.expected_batch_size,
         "per_sample_max_grad_norm": args.per_sample_max_grad_norm,
+        **adaptive,
     }
 
 
@@ -139,6 +219,15 @@ def write_report(output_dir: str, report: dict) -> None:
             f"epsilon ({eps}), delta {privacy['delta']:.2g}, sigma {privacy['noise_multiplier']:.4f}, "
             f"steps {privacy['steps']}, q {privacy['sample_rate']:.4g}"
         )
+        if privacy.get("users") is not None:
+            lines.append(
+                f"privacy unit: {privacy['unit']}, {privacy['users']} users ({privacy['rows']} rows), at most "
+                f"{privacy['max_examples_per_user']} rows per user in a batch"
+            )
+        else:
+            lines.append(f"privacy unit: {privacy.get('unit', 'example')}")
+        if privacy.get("adaptive_clipping") and privacy.get("clip_norm") is not None:
+            lines.append(f"adaptive clipping: C {privacy['per_sample_max_grad_norm']:g} -> {privacy['clip_norm']:.4g}")
     else:
         lines.append("non-private (--disable_dp)")
     lines += [f"{k}: {v}" for k, v in report.get("metrics", {}).items()]

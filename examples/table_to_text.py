@@ -12,14 +12,39 @@ next to the model.
         --output_dir out/e2e-eps3 --target_epsilon 3
     # same script, non-private baseline:
     python examples/table_to_text.py ... --disable_dp
+    # user-level DP over tables: one unit = all the references of one meaning representation (4,862 in E2E's
+    # training split, about 9 references each), at most 4 of them in a batch:
+    python examples/table_to_text.py ... --privacy_unit user --user_column table --max_examples_per_user 4
+    # a CSV train file with an author column (E2E's original `mr,ref` layout plus `author`):
+    python examples/table_to_text.py ... --train_file train.csv --privacy_unit user --user_column author \
+        --max_examples_per_user 2 --adaptive_clipping true
 
 Defaults follow the paper: C = 0.1, expected batch 1024, learning rate 5e-4 (DP-Adam), 10 epochs, delta = 1/(2N).
+
+User-level DP (``--privacy_unit user --user_column COL --max_examples_per_user k``): the guarantee covers all the
+training rows of one user (users Poisson-sampled, at most k rows each, the sum of a user's per-example gradients
+clipped as one; N, q and delta = 1/(2N) count users). ``COL`` is either a column of the training data (a CSV column,
+a key of a DART entry or of its annotations such as ``source``, a Hub dataset's column), which wins if it exists, or
+one derived from the table itself, for the shared E2E/DART files, which name no author:
+
+* ``table``: all references of one table (an E2E meaning representation, a DART triple set). The crowd workers wrote
+  several texts for each table; grouping them protects the table's whole contribution (what could single out a
+  table, e.g. a rare combination of fields, is then covered however many references it has).
+* ``name``: all texts about one entity: the E2E restaurant (``name[...]``: every table and reference about The
+  Vaults together), the DART table's subject (the first triple's subject, or the ``[TITLE]`` of a
+  ``[TABLECONTEXT]`` table: the Wikipedia table it came from). The strongest unit (entity-level privacy: whether a
+  restaurant is in the data at all), but E2E names only 34 restaurants, so the expected batch must stay far below
+  34 users.
+
+Grouping by length is off at user level (``--train_sampling_strategy random``: a user's rows share a micro-batch).
 """
 
 from __future__ import annotations
 
+import csv
 import gzip
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,15 +58,25 @@ from common import (  # noqa: E402
     COMMON_DEFAULTS,
     PrintEpsilon,
     add_lora,
+    check_user_column,
     end_distributed,
     make_trainer,
     parse_args,
     privacy_report,
     trainable_parameters,
+    user_column,
     write_report,
 )
 
 SEPARATOR = " ||"
+
+#: The user columns derived from each table (``--user_column``, when the training data has no such column).
+DERIVED_USERS = {
+    "table": "all references of one table: an E2E meaning representation, a DART triple set",
+    "name": "all texts about one entity: the E2E restaurant name[...], the DART table's subject",
+}
+#: E2E's original field names (``name[...], eatType[...]``) as the MR||ref prefix format writes them.
+E2E_FIELDS = {"eatType": "Type", "priceRange": "price", "familyFriendly": "family friendly"}
 
 
 @dataclass
@@ -60,7 +95,13 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
-    train_file: str | None = field(default=None, metadata={"help": "E2E 'MR||ref' lines (.gz ok) or DART json(.gz)."})
+    train_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "E2E 'MR||ref' lines (.gz ok), an E2E-style CSV (columns mr, ref, any others; .gz ok) or DART "
+            "json(.gz)."
+        },
+    )
     test_references: str | None = field(
         default=None, metadata={"help": "Grouped references: E2E jsonl (mr_prefix_format, refs) or DART json(.gz)."}
     )
@@ -82,23 +123,106 @@ def dart_table(tripleset) -> str:
     return " | ".join(" : ".join(t) for t in tripleset)
 
 
-def load_pairs(data: DataArguments) -> list[tuple[str, str]]:
-    """(table, reference) training pairs."""
+def e2e_prefix_table(mr: str) -> str:
+    """An original E2E MR (``name[The Vaults], priceRange[£20-25]``) in the MR||ref prefix layout (``name : The Vaults
+    | price : £ 20 - 25``), the one the test references use; on E2E's dev split this gives prefix_format's MRs byte for
+    byte."""
+    fields = re.findall(r"([^,\[]+)\[([^\]]*)\]", mr)
+    if not fields:
+        raise ValueError(f"Not an E2E meaning representation (field[value], ...): {mr!r}")
+
+    def value(v: str) -> str:
+        return re.sub(r"£(\d+)", r"£ \1", re.sub(r"£(\d+)-(\d+)", r"£ \1 - \2", v))
+
+    return " | ".join(f"{E2E_FIELDS.get(k.strip(), k.strip())} : {value(v)}" for k, v in fields)
+
+
+def e2e_name(table: str) -> str | None:
+    """The restaurant an E2E table is about: ``name : X`` (prefix layout) or ``name[X]`` (original MR)."""
+    found = re.search(r"(?:^|\|)\s*name : ([^|]*)", table) or re.search(r"(?:^|,)\s*name\[([^\]]*)\]", table)
+    return found.group(1).strip() if found else None
+
+
+def dart_entity(tripleset) -> str:
+    """What a DART triple set is about: its first triple's subject, or for a ``[TABLECONTEXT]`` table (a row of a
+    Wikipedia table) the table's ``[TITLE]``."""
+    subject = tripleset[0][0]
+    if subject == "[TABLECONTEXT]":
+        titles = [o for s, p, o in tripleset if s == "[TABLECONTEXT]" and p == "[TITLE]"]
+        return titles[0] if titles else subject
+    return subject
+
+
+def load_examples(data: DataArguments) -> list[dict]:
+    """Training rows: ``table``, ``ref``, ``entity`` (see :data:`DERIVED_USERS`) and ``fields``, the source's own
+    columns (CSV columns, DART entry and annotation keys, Hub columns), where ``--user_column`` is looked up first."""
     if data.dataset_name:
         from datasets import load_dataset
 
         raw = load_dataset(data.dataset_name)["train"]
-        return [(r["meaning_representation"], r["human_reference"]) for r in raw]
+        tables = [r["meaning_representation"] for r in raw]
+        return [
+            {"table": t, "ref": r["human_reference"], "entity": e2e_name(t), "fields": dict(r)}
+            for t, r in zip(tables, raw, strict=True)
+        ]
     if ".json" in data.train_file:
         with _open(data.train_file) as f:
-            return [(dart_table(e["tripleset"]), a["text"]) for e in json.load(f) for a in e["annotations"]]
-    pairs = []
+            entries = json.load(f)
+        return [
+            {
+                "table": dart_table(e["tripleset"]),
+                "ref": a["text"],
+                "entity": dart_entity(e["tripleset"]),
+                "fields": {
+                    **{k: v for k, v in e.items() if k not in ("tripleset", "annotations")},
+                    **{k: v for k, v in a.items() if k != "text"},
+                },
+            }
+            for e in entries
+            for a in e["annotations"]
+        ]
+    if ".csv" in data.train_file:
+        with _open(data.train_file) as f:
+            rows = list(csv.DictReader(f))
+        if rows and not {"mr", "ref"} <= set(rows[0]):
+            raise ValueError(f"{data.train_file}: a CSV train file needs columns `mr` and `ref`, got {list(rows[0])}.")
+        tables = [e2e_prefix_table(r["mr"]) for r in rows]
+        return [
+            {"table": t, "ref": r["ref"], "entity": e2e_name(t), "fields": r} for t, r in zip(tables, rows, strict=True)
+        ]
+    examples = []
     with _open(data.train_file) as f:
         for line in f:
             if "||" in line:
                 table, ref = line.rstrip("\n").split("||", 1)
-                pairs.append((table.strip(), ref.strip()))
-    return pairs
+                examples.append({"table": table.strip(), "ref": ref.strip(), "entity": e2e_name(table), "fields": {}})
+    return examples
+
+
+def load_pairs(data: DataArguments) -> list[tuple[str, str]]:
+    """(table, reference) training pairs."""
+    return [(e["table"], e["ref"]) for e in load_examples(data)]
+
+
+def example_users(examples: list[dict], column: str, source: str) -> list:
+    """The user of each training row under ``--user_column column``: the source's own column of that name, else the
+    derived ``table`` or ``name`` (:data:`DERIVED_USERS`). Fails, naming what there is, before any model is built."""
+    available = examples[0]["fields"] if examples else {}
+    check_user_column(column, available, source, DERIVED_USERS)
+    if column in available:
+        for i, e in enumerate(examples):
+            if e["fields"].get(column) is None:
+                raise ValueError(f"Row {i} of {source} has no `{column}` (--user_column): every row needs a user.")
+        return [e["fields"][column] for e in examples]
+    if column == "table":
+        return [e["table"] for e in examples]
+    for i, e in enumerate(examples):
+        if e["entity"] is None:
+            raise ValueError(
+                f"--user_column name: training row {i} of {source} names no entity (no `name : ...` / `name[...]` "
+                f"in {e['table']!r}). Use --user_column table, or a column of the training data."
+            )
+    return [e["entity"] for e in examples]
 
 
 def load_references(data: DataArguments) -> list[tuple[str, list[str]]]:
@@ -113,14 +237,20 @@ def load_references(data: DataArguments) -> list[tuple[str, list[str]]]:
 
 
 class TableToTextDataset(torch.utils.data.Dataset):
-    def __init__(self, pairs, tokenizer, max_length):
+    """Tokenized (table, reference) rows; with ``users``, each row also carries its user under ``user_key`` (the
+    ``--user_column`` DPTrainer reads; the collator ignores it)."""
+
+    def __init__(self, pairs, tokenizer, max_length, users=None, user_key: str | None = None):
         self.items = []
-        for table, ref in pairs:
+        for i, (table, ref) in enumerate(pairs):
             prompt = tokenizer(table + SEPARATOR, add_special_tokens=False)["input_ids"]
             target = tokenizer(" " + ref, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             ids = (prompt + target)[:max_length]
             labels = ([-100] * len(prompt) + target)[:max_length]
-            self.items.append({"input_ids": ids, "labels": labels})
+            item = {"input_ids": ids, "labels": labels}
+            if users is not None:
+                item[user_key] = users[i]
+            self.items.append(item)
 
     def __len__(self):
         return len(self.items)
@@ -221,12 +351,16 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    pairs = load_pairs(data_args)
+    examples = load_examples(data_args)
     if data_args.max_train_samples:
-        pairs = pairs[: data_args.max_train_samples]
+        examples = examples[: data_args.max_train_samples]
+    column = user_column(args)  # privacy_unit="user": each row's user, kept on the rows for DPTrainer
+    source = data_args.train_file or data_args.dataset_name
+    users = None if column is None else example_users(examples, column, source)
     set_seed(args.seed)  # --from_scratch initialization (and LoRA/prefix init) follows --seed
     model = build_model(model_args, tokenizer)
-    dataset = TableToTextDataset(pairs, tokenizer, data_args.max_length)
+    pairs = [(e["table"], e["ref"]) for e in examples]
+    dataset = TableToTextDataset(pairs, tokenizer, data_args.max_length, users=users, user_key=column)
     trainer = make_trainer(
         disable_dp,
         model=model,

@@ -14,6 +14,16 @@ Two heads:
         --output_dir out/sst2 --target_epsilon 3
     # same script, non-private baseline:
     python examples/text_classification.py ... --disable_dp
+    # user-level DP: the guarantee covers all the sentences of one author (a column of the train file), at most 2 of
+    # them in a batch, with a quantile-adaptive clipping norm:
+    python examples/text_classification.py ... --train_file reviews.csv --privacy_unit user --user_column author \
+        --max_examples_per_user 2 --adaptive_clipping true
+
+User-level DP (``--privacy_unit user --user_column COL --max_examples_per_user k``): ``COL`` is a column of the
+training file (CSV/TSV/JSON) or Hub dataset naming each row's user (e.g. a review's author). It is kept through the
+preprocessing, so that DPTrainer reads it (users are Poisson-sampled, at most k rows each, and the sum of a user's
+per-example gradients is clipped as one); N, q and delta = 1/(2N) then count users. SST-2 has no author column.
+Grouping by length is off at user level (``--train_sampling_strategy random``: a user's rows share a micro-batch).
 
 The paper's defaults are the defaults: C = 0.1, expected batch 1024 (``--per_device_train_batch_size`` x
 ``--gradient_accumulation_steps``), learning rate 5e-4 with AdamW, 3 epochs, delta = 1/(2N).
@@ -47,12 +57,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     COMMON_DEFAULTS,
     PrintEpsilon,
+    WithoutColumns,
     add_lora,
+    check_user_column,
     end_distributed,
     make_trainer,
     parse_args,
     privacy_report,
     trainable_parameters,
+    user_column,
     write_report,
 )
 
@@ -111,7 +124,13 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
-    train_file: str | None = field(default=None, metadata={"help": "TSV/CSV (.gz ok) with text and label columns."})
+    train_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "TSV/CSV/JSON(L) (.gz ok) with text and label columns (and, with --privacy_unit user, the "
+            "--user_column naming each row's user)."
+        },
+    )
     validation_file: str | None = field(default=None, metadata={"help": "Evaluation TSV/CSV."})
     test_file: str | None = field(
         default=None, metadata={"help": "Optional held-out TSV/CSV with labels, scored once after training."}
@@ -212,6 +231,8 @@ def load_splits(data: DataArguments):
     from datasets import load_dataset
 
     def read(path: str):
+        if ".json" in path:  # .json, .jsonl (.gz ok): one object per row
+            return load_dataset("json", data_files=path)["train"]
         delimiter = "\t" if ".tsv" in path else ","
         return load_dataset("csv", data_files=path, delimiter=delimiter, quoting=3)["train"]
 
@@ -267,6 +288,9 @@ def main(argv=None):
     start = time.time()
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
     train_raw, eval_raw, test_raw = load_splits(data_args)
+    user_col = user_column(args)  # privacy_unit="user": the column naming each training row's user
+    if user_col is not None:
+        check_user_column(user_col, train_raw.column_names, data_args.train_file or data_args.dataset_name)
     if data_args.max_train_samples:
         train_raw = train_raw.select(range(min(data_args.max_train_samples, len(train_raw))))
     if data_args.max_eval_samples:
@@ -313,8 +337,12 @@ def main(argv=None):
         def accuracy(pred):
             return {"accuracy": float((np.argmax(pred.predictions, -1) == pred.label_ids).mean())}
 
-    train_ds = train_raw.map(encode, batched=True, remove_columns=columns)
-    eval_ds = eval_raw.map(encode, batched=True, remove_columns=columns)
+    # The user column stays in the training set: DPTrainer reads each row's user from it, then (remove_unused_columns,
+    # the default) drops it with the other non-model columns; WithoutColumns keeps it from the collator otherwise.
+    train_ds = train_raw.map(encode, batched=True, remove_columns=[c for c in columns if c != user_col])
+    if user_col is not None:
+        collator = WithoutColumns(collator, [user_col])
+    eval_ds = eval_raw.map(encode, batched=True, remove_columns=eval_raw.column_names)
     test_ds = None if test_raw is None else test_raw.map(encode, batched=True, remove_columns=test_raw.column_names)
     trainer = make_trainer(
         disable_dp,

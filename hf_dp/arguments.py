@@ -24,6 +24,8 @@ __all__ = ["DPArgumentsMixin", "DPSeq2SeqTrainingArguments", "DPTrainingArgument
 TRAINER_CLIPPING_MODES = sorted(m for m in CLIPPING_MODES if m != "ghost")
 CLIPPING_STYLES = ["all-layer", "layer-wise", "param-wise"]
 CLIPPING_FNS = ["abadi", "automatic"]
+#: What the guarantee protects.
+PRIVACY_UNITS = {"example": "one row of the training set", "user": "every row of one user (`user_column`)"}
 
 
 def _parse_clipping_style(style):
@@ -120,6 +122,36 @@ _DP_PARAMETERS_DOC = r"""
         files (`trainer_state.json`, `*_results.json`, the model card). They are not covered by the guarantee, and
         the card says so. By default they stay in local logs (console, progress bar, `report_to`) only.
 
+    > Parameters that choose the unit of privacy and adapt the clipping norm
+
+    privacy_unit (`str`, *optional*, defaults to `"example"`):
+        What the (epsilon, delta) guarantee protects: `"example"` (one row of the training set) or `"user"` (every row
+        of one person, named by `user_column`). With `"user"` each logical batch includes each user independently with
+        probability `q = L / N_users` (`L = per_device_train_batch_size * gradient_accumulation_steps * world_size`
+        users expected per step), a sampled user contributes a fresh random subset of at most
+        `max_examples_per_user` of its rows, all in one micro-batch, and the sum of that user's per-example gradients
+        is clipped as one (`||sum_{i in u} g_i|| <= C`). `N`, the default delta and the checks count users.
+    user_column (`str`, *optional*, defaults to `None`):
+        The column of the training set that names the user of each row (any hashable value; no missing values).
+        Required with `privacy_unit="user"`.
+    max_examples_per_user (`int`, *optional*, defaults to `None`):
+        `k`: the most rows of one user in a logical batch (required with `privacy_unit="user"`). A micro-batch then
+        holds up to `k` rows per user, so memory grows with `k`.
+    adaptive_clipping (`bool`, *optional*, defaults to `False`):
+        Quantile-adaptive clipping (Andrew et al. 2021): after every step, `C <- C * exp(-clipping_norm_lr * (b -
+        target_unclipped_quantile))`, with `b` the noisy fraction of units whose gradient norm was at most `C`;
+        `per_sample_max_grad_norm` is the starting `C`. The count is released with noise `count_noise_multiplier`,
+        and the gradient's noise multiplier is raised so that both together spend exactly the privacy of
+        `noise_multiplier` (the accountant's sigma): `sigma_grad = (sigma^-2 - (2 sigma_count)^-2)^-1/2`. Needs
+        `clipping_style="all-layer"` and `clipping_fn="abadi"`.
+    target_unclipped_quantile (`float`, *optional*, defaults to `0.5`):
+        The fraction of units whose gradient norm should stay below `C`, in (0, 1).
+    clipping_norm_lr (`float`, *optional*, defaults to `0.2`):
+        Learning rate of the geometric update of `C` (> 0).
+    count_noise_multiplier (`float`, *optional*, defaults to `None`):
+        Standard deviation of the noise on the count of unclipped units (> `sigma / 2`). `None`: `L / 20` (the
+        paper's recommendation), or `sigma` if that is larger (small batches: the gradient's noise then grows 15%).
+
     > [!NOTE]
     > Changed defaults: `max_grad_norm=0.0`. Clipping the summed gradient after the noise is added (what
     > `max_grad_norm` does) is not part of DP-SGD; any value > 0 is an error.
@@ -209,6 +241,29 @@ class DPArgumentsMixin:
         default=False,
         metadata={"help": "Write the un-noised training loss/token counts into released files (not covered)."},
     )
+    privacy_unit: str = field(
+        default="example",
+        metadata={
+            "help": "What the guarantee protects: one row ('example') or one user ('user').",
+            "choices": list(PRIVACY_UNITS),
+        },
+    )
+    user_column: str | None = field(
+        default=None, metadata={"help": "Training-set column naming each row's user (privacy_unit='user')."}
+    )
+    max_examples_per_user: int | None = field(
+        default=None, metadata={"help": "Most rows of one user in a logical batch (privacy_unit='user')."}
+    )
+    adaptive_clipping: bool = field(
+        default=False, metadata={"help": "Quantile-adaptive clipping norm (Andrew et al. 2021), exactly accounted."}
+    )
+    target_unclipped_quantile: float = field(
+        default=0.5, metadata={"help": "Adaptive clipping: fraction of units to leave unclipped, in (0, 1)."}
+    )
+    clipping_norm_lr: float = field(default=0.2, metadata={"help": "Adaptive clipping: learning rate of C (> 0)."})
+    count_noise_multiplier: float | None = field(
+        default=None, metadata={"help": "Adaptive clipping: noise std of the unclipped count (None: max(L/20, sigma))."}
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -272,6 +327,8 @@ class DPArgumentsMixin:
                     "accountant assumes. Use 'random', or 'group_by_length' (which only orders each Poisson batch by "
                     "length before cutting it into micro-batches)."
                 )
+        self._check_privacy_unit()
+        self._check_adaptive_clipping()
         if self.torch_compile:
             raise ValueError(
                 "`torch_compile=True` is not supported by DPTrainer: the compiled graph bypasses the book-keeping "
@@ -289,6 +346,62 @@ class DPArgumentsMixin:
                 "`auto_find_batch_size=True` is not supported by DPTrainer, because it changes the sample rate "
                 "mid-training. Set `auto_find_batch_size=False`."
             )
+
+    def _check_privacy_unit(self) -> None:
+        if self.privacy_unit not in PRIVACY_UNITS:
+            raise ValueError(f"Unknown `privacy_unit` {self.privacy_unit!r}. Choose one of {list(PRIVACY_UNITS)}.")
+        if self.privacy_unit == "example":
+            if self.user_column is not None or self.max_examples_per_user is not None:
+                raise ValueError(
+                    "`user_column`/`max_examples_per_user` are set but `privacy_unit='example'`: the guarantee would "
+                    "protect one row, not one user. Set `privacy_unit='user'` to protect every row of a user, or "
+                    "drop those two settings."
+                )
+            return
+        if not self.user_column:
+            raise ValueError(
+                "`privacy_unit='user'` needs `user_column`: the training-set column naming each row's user."
+            )
+        k = self.max_examples_per_user
+        if k is None or isinstance(k, bool) or int(k) != k or k < 1:
+            raise ValueError(
+                f"`privacy_unit='user'` needs `max_examples_per_user` (an integer >= 1), got {k!r}: it bounds how "
+                "many rows of one user a logical batch holds (the rows of a user are clipped together, so it sets "
+                "memory, not the guarantee)."
+            )
+        self.max_examples_per_user = int(k)
+        if not self.poisson_sampling:
+            raise ValueError(
+                "`privacy_unit='user'` needs `poisson_sampling=True`: the user-level guarantee is that of users "
+                "sampled independently with probability q. Shuffled batches of rows with user-level clipping are a "
+                "different mechanism that hf_dp does not account."
+            )
+        if self.train_sampling_strategy == "group_by_length":
+            raise ValueError(
+                "`train_sampling_strategy='group_by_length'` is not supported with `privacy_unit='user'` (the rows of "
+                "a user stay together in one micro-batch). Use 'random'."
+            )
+
+    def _check_adaptive_clipping(self) -> None:
+        if not self.adaptive_clipping:
+            return
+        if self.clipping_style != "all-layer" or self.clipping_fn != "abadi":
+            raise ValueError(
+                "`adaptive_clipping=True` needs `clipping_style='all-layer'` and `clipping_fn='abadi'` (one clipping "
+                f"norm, and a count of units under it), got clipping_style={self.clipping_style!r}, "
+                f"clipping_fn={self.clipping_fn!r}."
+            )
+        if self.noise_multiplier == 0:
+            raise ValueError(
+                "`adaptive_clipping=True` with `noise_multiplier=0`: the count of unclipped units would be published "
+                "without noise. Use a noise multiplier > 0 or a target epsilon."
+            )
+        if not 0 < self.target_unclipped_quantile < 1:
+            raise ValueError(f"`target_unclipped_quantile` must be in (0, 1), got {self.target_unclipped_quantile}.")
+        if not self.clipping_norm_lr > 0:
+            raise ValueError(f"`clipping_norm_lr` must be > 0, got {self.clipping_norm_lr}.")
+        if self.count_noise_multiplier is not None and not self.count_noise_multiplier > 0:
+            raise ValueError(f"`count_noise_multiplier` must be > 0, got {self.count_noise_multiplier}.")
 
 
 def _dp_doc(base: str) -> str:

@@ -40,7 +40,8 @@ class DPCallback(TrainerCallback, ExportableState):
     end of training).
 
     Saved with checkpoints besides the history: ``run_id`` (the run's identity in the ledger) and
-    ``data_fingerprint`` (:func:`~hf_dp.ledger.data_fingerprint` of the training set), which a resume checks.
+    ``data_fingerprint`` (:func:`~hf_dp.ledger.data_fingerprint` of the training set), which a resume checks; with
+    adaptive clipping, the clipping norm of every step and of the next one (noisy releases: post-processing).
     """
 
     def __init__(self) -> None:
@@ -52,6 +53,9 @@ class DPCallback(TrainerCallback, ExportableState):
         self.plan: dict[str, Any] = {}
         self.run_id: str | None = None
         self.data_fingerprint: dict[str, Any] | None = None
+        #: Adaptive clipping: the clipping norm C of every step taken (in order), and the C of the next step.
+        self.clip_norms: list[float] = []
+        self.next_clip_norm: float | None = None
         self._budget_steps: int | None = None
         self._frozen: DPPlan | None = None
         self._ledger: PrivacyLedger | None = None
@@ -110,10 +114,21 @@ class DPCallback(TrainerCallback, ExportableState):
                 "plan": self.plan,
                 "run_id": self.run_id,
                 "data_fingerprint": self.data_fingerprint,
+                "clip_norms": self.clip_norms,
+                "next_clip_norm": self.next_clip_norm,
             },
         }
 
-    _SAVED = ("history", "num_examples", "draw_offset", "plan", "run_id", "data_fingerprint")
+    _SAVED = (
+        "history",
+        "num_examples",
+        "draw_offset",
+        "plan",
+        "run_id",
+        "data_fingerprint",
+        "clip_norms",
+        "next_clip_norm",
+    )
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Restore the attributes saved by :meth:`state` (what the Trainer does when restoring callback states)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
+import torch
+
 __all__ = ["EMPTY_BATCH_KEY", "PLACEHOLDER_KEY", "EmptyBatchSafeCollator", "is_empty_batch"]
 
 #: Key of the placeholder a :class:`EmptyBatchSafeCollator` returns for an empty micro-batch.
@@ -18,28 +20,50 @@ class EmptyBatchSafeCollator:
     """Calls ``collator(features)``, or returns ``{EMPTY_BATCH_KEY: True}`` when ``features`` is empty (with
     ``{PLACEHOLDER_KEY: collator(placeholder())}`` if ``placeholder`` is given). With ``count_key``, a non-empty
     batch that is a mutable mapping also carries ``len(features)`` under it: the number of examples the sampler put
-    in the micro-batch, which the trainer compares with the number of per-example losses (hf_dp.batch_checks)."""
+    in the micro-batch, which the trainer compares with the number of per-example losses (hf_dp.batch_checks). With
+    ``unit_key``, features carrying a user code under it (``privacy_unit="user"``) have it taken out before
+    ``collator`` sees them, and the batch carries the micro-batch's units (codes ``0 .. u-1``, a CPU tensor) under
+    it."""
 
     def __init__(
         self,
         collator: Callable[[list], Any],
         placeholder: Callable[[], list] | None = None,
         count_key: str | None = None,
+        unit_key: str | None = None,
     ) -> None:
         self.collator = collator
         self.placeholder = placeholder
         self.count_key = count_key
+        self.unit_key = unit_key
 
     def __call__(self, features: list) -> Any:
         if len(features) == 0:
             empty: dict[str, Any] = {EMPTY_BATCH_KEY: True}
             if self.placeholder is not None:
-                empty[PLACEHOLDER_KEY] = self.collator(self.placeholder())
+                empty[PLACEHOLDER_KEY] = self.collator(self._strip(self.placeholder()))
             return empty
+        units = None
+        if self.unit_key is not None:
+            features = [dict(f) for f in features]
+            seen: dict[int, int] = {}
+            units = [seen.setdefault(int(f.pop(self.unit_key)), len(seen)) for f in features]
         batch = self.collator(features)
         if self.count_key is not None and isinstance(batch, MutableMapping):
             batch[self.count_key] = len(features)
+        if units is not None:
+            if not isinstance(batch, MutableMapping):
+                raise TypeError(
+                    "With `privacy_unit='user'` the data collator must return a mapping (a dict of tensors), got "
+                    f"{type(batch).__name__}."
+                )
+            batch[self.unit_key] = torch.tensor(units, dtype=torch.long)
         return batch
+
+    def _strip(self, features: list) -> list:
+        if self.unit_key is None:
+            return features
+        return [{k: v for k, v in f.items() if k != self.unit_key} for f in features]
 
 
 def is_empty_batch(inputs: Any) -> bool:

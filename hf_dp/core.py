@@ -21,12 +21,14 @@ import secrets
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint, seed_worker
 from transformers.utils import is_datasets_available
 
+from .adaptive_state import AdaptiveClippingState
 from .arguments import DPArgumentsMixin, DPTrainingArguments
 from .batch_checks import NUM_EXAMPLES_KEY, MicroBatchChecks
 from .callback import DPCallback
@@ -53,8 +55,10 @@ from .losses import LABEL_NAMES, infer_loss_type, per_example_loss
 from .model_card import DPModelCardData, card_tags, render_dp_section, write_dp_model_card
 from .noise import NoiseSource
 from .privacy_plan import DPPlan, resolve_plan
+from .privacy_unit import UNIT_KEY, UnitTaggedDataset, user_codes
 from .release import release_state, released_log_history, released_metrics, unreleased_log_keys
 from .sampler import PoissonBatchSampler
+from .user_sampler import PoissonUserBatchSampler
 
 logger = logging.getLogger("hf_dp")
 
@@ -132,6 +136,8 @@ class DPTrainerMixin:
         self._needs_self_check = False
         self._batch_checks: MicroBatchChecks | None = None  # what reaches the model is what was sampled (train())
         self._sampled_examples: int | None = None  # examples the sampler put in the current micro-batch
+        self._units = None  # privacy_unit="user": the user of each example of the current micro-batch (CPU codes)
+        self._adaptive: AdaptiveClippingState | None = None  # adaptive clipping: C and the step's unclipped count
         self._in_train = False
         self._sharded: FSDP2Clipping | None = None  # FSDP2: set at the first step, on the sharded model
         self._loss_weight = 1.0  # 0 for the placeholder an FSDP2 rank runs for its empty micro-batch
@@ -146,10 +152,28 @@ class DPTrainerMixin:
 
     # ------------------------------------------------------------------ the plan
     def _resolve_plan(self, *, past=(), saved=None, steps_done: int = 0) -> DPPlan:
-        num_examples = check_train_dataset(self.train_dataset)
+        num_rows = check_train_dataset(self.train_dataset)
+        num_units = num_rows
+        if self.args.privacy_unit == "user":
+            num_units = self._user_codes()[1]
         return resolve_plan(
-            self.args, num_examples, world_size=self.args.world_size, past=past, saved=saved, steps_done=steps_done
+            self.args,
+            num_units,
+            world_size=self.args.world_size,
+            past=past,
+            saved=saved,
+            steps_done=steps_done,
+            num_rows=num_rows,
         )
+
+    def _user_codes(self) -> tuple[np.ndarray, int]:
+        """The user code of every training row and the number of users (``privacy_unit="user"``), read once per
+        training set."""
+        cached = getattr(self, "_user_codes_cache", None)
+        if cached is None or cached[0] is not self.train_dataset:
+            cached = (self.train_dataset, *user_codes(self.train_dataset, self.args.user_column))
+            self._user_codes_cache = cached
+        return cached[1], cached[2]
 
     @property
     def dp_plan(self) -> DPPlan:
@@ -196,6 +220,8 @@ class DPTrainerMixin:
         if seed is None:  # outside train(): draws from a throwaway secret seed (never trained on)
             seed = self.args.seed if self.args.noise_seed is not None else secrets.randbits(128)
         dataset, collator = self.train_dataset, self.data_collator
+        by_user = self.dp_plan.privacy_unit == "user"
+        codes = self._user_codes()[0] if by_user else None  # read before the user column is removed
         lengths = None
         if self.args.train_sampling_strategy == "group_by_length":
             # Trainer's own LengthGroupedSampler resolves the lengths (length column, or the first model input).
@@ -207,17 +233,26 @@ class DPTrainerMixin:
                 dataset = self._remove_unused_columns(dataset, description="Training")
             else:
                 collator = self._get_collator_with_removed_columns(collator, description="Training")
-        sampler = PoissonBatchSampler(
-            len(dataset),
-            self.dp_plan.sample_rate,
-            self.args.gradient_accumulation_steps,
-            seed=seed,
-            draw_offset=self.dp_callback.draw_offset,
-            secure=self.dp_plan.secure_mode,
-            num_replicas=self.args.world_size,
-            rank=self.args.process_index,
-            lengths=lengths,
-        )
+        common = {
+            "seed": seed,
+            "draw_offset": self.dp_callback.draw_offset,
+            "secure": self.dp_plan.secure_mode,
+            "num_replicas": self.args.world_size,
+            "rank": self.args.process_index,
+        }
+        if by_user:
+            dataset = UnitTaggedDataset(dataset, codes)
+            sampler = PoissonUserBatchSampler(
+                codes,
+                self.dp_plan.sample_rate,
+                self.args.gradient_accumulation_steps,
+                max_examples_per_user=self.dp_plan.max_examples_per_user,
+                **common,
+            )
+        else:
+            sampler = PoissonBatchSampler(
+                len(dataset), self.dp_plan.sample_rate, self.args.gradient_accumulation_steps, lengths=lengths, **common
+            )
         params: dict[str, Any] = {
             "batch_sampler": sampler,
             # FSDP2: every rank runs every micro-batch (their collectives are shared), so an empty one runs the first
@@ -226,6 +261,7 @@ class DPTrainerMixin:
                 collator,
                 placeholder=partial(_first_example, dataset) if self.is_fsdp_enabled else None,
                 count_key=NUM_EXAMPLES_KEY,  # checked against the per-example losses (hf_dp.batch_checks)
+                unit_key=UNIT_KEY if by_user else None,  # the user of each row, for clipping per user
             ),
             "num_workers": self.args.dataloader_num_workers,
             "pin_memory": self.args.dataloader_pin_memory,
@@ -328,7 +364,7 @@ class DPTrainerMixin:
                 self._batch_checks.after_loss(per_example, self._sampled_examples)
             if self._loss_weight != 1.0:
                 per_example = per_example * self._loss_weight
-            self.clipper.prepare(per_example, loss_scale=self._loss_scale())
+            self.clipper.prepare(per_example, loss_scale=self._loss_scale(), units=self._units)
         self._per_example_loss_seen = True
         if self._loss_weight != 0.0:
             detached = per_example.detach().float()
@@ -425,6 +461,15 @@ class DPTrainerMixin:
         placeholder = inputs.get(PLACEHOLDER_KEY) if is_empty_batch(inputs) else None
         if placeholder is not None:  # FSDP2: run the placeholder example with loss weight 0 (it adds nothing)
             inputs, self._loss_weight = placeholder, 0.0
+        self._units = None
+        if self.dp_plan.privacy_unit == "user" and not is_empty_batch(inputs):
+            inputs = dict(inputs)
+            self._units = inputs.pop(UNIT_KEY, None)
+            if self._units is None and placeholder is None:
+                raise ValueError(
+                    "privacy_unit='user': this micro-batch carries no user codes, so its rows cannot be clipped per "
+                    "user. Train through DPTrainer's own dataloader (do not override `get_train_dataloader`)."
+                )
         if is_empty_batch(inputs):  # a Poisson batch can be empty: no gradient, but the step still counts
             loss = torch.zeros((), device=self.args.device)
         else:
@@ -467,6 +512,8 @@ class DPTrainerMixin:
                 )
             # The backward ran on w * sum_i loss_i: clip at w*C in its units (Li et al. 2022, App. T: K*C in fp16).
             self.clipper.finish(loss_scale=scale)
+            if self._adaptive is not None and placeholder is None:  # on the device: read once per optimizer step
+                self._adaptive.count(self.clipper.per_example_norms)
             if self._sharded is not None:  # reduce-scatter the clipped sums into the sharded gradients
                 self._sharded.flush()
             if scaler is not None:
@@ -486,24 +533,34 @@ class DPTrainerMixin:
                 else:
                     dropped = torch.tensor([count], dtype=torch.float32, device=self.args.device)
                 self._dropped_examples = 0.0
+            # adaptive clipping: the centred count of unclipped units, noised with the gradient (one mechanism)
+            count = self._adaptive.take_count() if self._adaptive is not None else None
             if self._sharded is not None:
                 # FSDP2: each process holds its shard of the global sum; it adds N(0, sigma^2 C^2) to it from its own
                 # stream, so that every coordinate is noised exactly once.
-                self._add_noise(scale, None)
+                self._add_noise(scale, None, count if self.accelerator.is_main_process else None)
             elif self.accelerator.is_main_process:
                 # Noise once per logical step: the main process adds N(0, sigma^2 C^2) to its share of the sum (and
                 # N(0, sigma^2) to the count of dropped examples) before the all-reduce, so the global sums carry it
                 # exactly once.
-                self._add_noise(scale, dropped)
+                self._add_noise(scale, dropped, count)
             if self.accelerator.num_processes > 1 and self._sharded is None:
                 all_reduce_sum_(
-                    [p.grad for p in self._trainable_parameters()] + ([dropped] if dropped is not None else [])
+                    [p.grad for p in self._trainable_parameters()]
+                    + ([dropped] if dropped is not None else [])
+                    + ([count] if count is not None else [])
                 )
             if dropped is not None:
                 self._scale_policy.update(float(dropped))
             self.dp_callback.record_step(
                 noise_multiplier=self.dp_plan.noise_multiplier, sample_rate=self.dp_plan.sample_rate
             )
+            if count is not None:  # C of the next step, from this step's noisy count (post-processing)
+                if self.accelerator.num_processes > 1 and self._sharded is not None:
+                    all_reduce_sum_([count])
+                self.dp_callback.clip_norms.append(self._adaptive.clip_norm)
+                self.dp_callback.next_clip_norm = self._adaptive.update(count)
+                self.clipper.policy.max_grad_norm = self._adaptive.clip_norm
         return loss
 
     def _trainable_parameters(self) -> list[nn.Parameter]:
@@ -524,16 +581,20 @@ class DPTrainerMixin:
         return scaler if scaler is not None and scaler.is_enabled() else None
 
     @torch.no_grad()
-    def _add_noise(self, scale: float, dropped: torch.Tensor | None = None) -> None:
+    def _add_noise(self, scale: float, dropped: torch.Tensor | None = None, count: torch.Tensor | None = None) -> None:
         """p.grad += w * N(0, sigma^2 C^2), so that after unscaling by K the update is the DP-SGD one,
         (sum + noise) / L; with fp16, ``dropped`` (the count of overflowed examples) += N(0, sigma^2), drawn from
-        the same step's stream (one Gaussian mechanism: see hf_dp.loss_scale). The noise of step ``s`` comes from the
-        run's secret source (never written to disk). sigma and C are the frozen plan's, never the arguments' (a change
-        to the arguments during the run raises here, before any noise of the step)."""
+        the same step's stream (one Gaussian mechanism: see hf_dp.loss_scale); with adaptive clipping, ``count`` (the
+        centred count of unclipped units) += N(0, sigma_count^2) and sigma is the gradient's share
+        (hf_dp.adaptive_clipping). The noise of step ``s`` comes from the run's secret source (never written to
+        disk). sigma and C are the frozen plan's (C: the adaptive state's), never the arguments' (a change to the
+        arguments during the run raises here, before any noise of the step)."""
         plan = self.dp_plan
         self.dp_callback.check_settings(self.args, self.state.global_step + 1)
-        sigma = plan.noise_multiplier
-        std = scale * sigma * plan.max_grad_norm
+        # the gradient's share of the mechanism (larger than sigma with adaptive clipping), at this step's C
+        sigma = plan.gradient_noise_multiplier
+        clip_norm = self._adaptive.clip_norm if self._adaptive is not None else plan.max_grad_norm
+        std = scale * sigma * clip_norm
         if std == 0:
             return
         by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -544,8 +605,10 @@ class DPTrainerMixin:
             by_device.setdefault(grad.device, []).append(grad)
         if dropped is not None:
             by_device.setdefault(dropped.device, []).append(dropped)
+        if count is not None:
+            by_device.setdefault(count.device, []).append(count)
         for device, targets in by_device.items():
-            stds = [sigma if t is dropped else std for t in targets]
+            stds = [sigma if t is dropped else plan.count_noise_multiplier if t is count else std for t in targets]
             noise = self._noise_source.normal(
                 step=self.dp_callback.steps,
                 shapes=[t.shape for t in targets],
@@ -626,6 +689,8 @@ class DPTrainerMixin:
             logs["epsilon"] = callback.epsilon(plan.accountant)
             for name in plan.epsilon_accountants:
                 logs[f"epsilon_{name}"] = logs["epsilon"] if name == plan.accountant else callback.epsilon(name)
+            if self._adaptive is not None:  # the C of the next step (set from noised counts only)
+                logs["clip_norm"] = self._adaptive.clip_norm
         super().log(logs, start_time)
 
     def _reduce_loss(self, window: torch.Tensor) -> torch.Tensor:
@@ -654,6 +719,13 @@ class DPTrainerMixin:
             )
             fingerprint = {**fingerprint, "rows": None, "datasets": None}
         trainer_state, attributes = check_checkpoint_dp_state(checkpoint, fingerprint)
+        spent_unit = (attributes.get("plan") or {}).get("privacy_unit", "example")
+        if attributes.get("history") and spent_unit != self.args.privacy_unit:
+            raise ValueError(
+                f"hf_dp: cannot resume {checkpoint} with `privacy_unit={self.args.privacy_unit!r}`: its privacy was "
+                f"spent with `privacy_unit={spent_unit!r}`, and guarantees for different units of privacy do not "
+                "compose into one. Resume with the same unit, or start a new run in a new `output_dir`."
+            )
         callback = self.dp_callback
         callback.load_state({"attributes": attributes})
         saved = callback.steps
@@ -721,6 +793,7 @@ class DPTrainerMixin:
         self._dp_plan = self._resolve_plan(past=callback.history, saved=callback.plan, steps_done=steps_done)
         self._configure_dp_callback()
         self._start_secret_streams()
+        self._adaptive = AdaptiveClippingState.start(self.dp_plan, callback.next_clip_norm, self.args.device)
         self._log_plan()
         # FSDP2 shards the model inside Trainer.train: its clipper is built at the first step (training_step)
         self.clipper = None if self.is_fsdp_enabled else self._build_clipper(self.model)
@@ -729,6 +802,7 @@ class DPTrainerMixin:
         self._needs_self_check = self.args.dp_self_check
         self._scale_policy: NoisedOverflowScalePolicy | None = None
         self._dropped_examples = 0.0
+
         self._loss_window.zero_()
         self._loss_total.zero_()
         try:
@@ -748,9 +822,10 @@ class DPTrainerMixin:
     def _build_clipper(self, model: nn.Module, **kwargs) -> BookKeepingClipper:
         """The clipper of the frozen plan (C, mode, style, function), never of the arguments."""
         plan = self.dp_plan
+        adaptive = getattr(self, "_adaptive", None)
         return BookKeepingClipper(
             model,
-            max_grad_norm=plan.max_grad_norm,
+            max_grad_norm=adaptive.clip_norm if adaptive is not None else plan.max_grad_norm,
             mode=plan.clipping_mode,
             **self._clipping_policy_kwargs(),
             **kwargs,
@@ -789,17 +864,24 @@ class DPTrainerMixin:
         plan = self.dp_plan
         target = "none (fixed sigma)" if plan.target_epsilon is None else f"{plan.target_epsilon:g}"
         logger.warning(
-            "hf_dp: DP training with sigma=%.4g, q=%.4g (L=%d of N=%d), %d steps, delta=%.3g, target epsilon=%s "
-            "(%s accountant), C=%g, clipping=%s%s. Spent so far: %d steps.",
+            "hf_dp: DP training with sigma=%.4g, q=%.4g (L=%d of N=%d %ss), %d steps, delta=%.3g, target epsilon=%s "
+            "(%s accountant), C=%g%s, clipping=%s%s. Spent so far: %d steps.",
             plan.noise_multiplier,
             plan.sample_rate,
             plan.expected_batch_size,
             plan.num_examples,
+            plan.unit_name,
             plan.num_steps,
             plan.delta,
             target,
             plan.accountant.upper(),
             plan.max_grad_norm,
+            (
+                f" (adaptive: quantile {plan.target_unclipped_quantile:g}; gradient sigma "
+                f"{plan.gradient_noise_multiplier:.4g}, count sigma {plan.count_noise_multiplier:.4g})"
+                if plan.adaptive_clipping
+                else ""
+            ),
             plan.clipping_mode,
             ", secure_mode" if plan.secure_mode else "",
             self.dp_callback.steps,
@@ -897,9 +979,25 @@ class DPTrainerMixin:
                 published_training_metrics=published,
                 audit=self.dp_audit_result,
                 epsilon_plot=epsilon_plot,
+                user_column=plan.user_column,
+                max_examples_per_user=plan.max_examples_per_user,
+                num_rows=plan.num_rows,
+                adaptive_clipping=self._adaptive_card_fields(),
                 **eval_card_fields(self),
             )
         )
+
+    def _adaptive_card_fields(self) -> dict[str, Any] | None:
+        plan = self.dp_plan
+        if not plan.adaptive_clipping:
+            return None
+        return {
+            "target_quantile": plan.target_unclipped_quantile,
+            "learning_rate": plan.clipping_norm_lr,
+            "count_noise_multiplier": plan.count_noise_multiplier,
+            "gradient_noise_multiplier": plan.gradient_noise_multiplier,
+            "clip_norms": list(self.dp_callback.clip_norms),
+        }
 
     def record_audit(self, result) -> None:
         """Carry a privacy audit's result (``hf_dp.audit``; an object with ``card_fields()`` or a dict) on the card."""

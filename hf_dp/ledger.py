@@ -397,7 +397,8 @@ def check_checkpoint_dp_state(checkpoint: str, fingerprint: Mapping[str, Any]) -
     error names the checkpoint to resume from instead (the latest sibling that passes every check), if any."""
     try:
         trainer_state, attributes = read_checkpoint_dp_state(checkpoint)
-        saved = {**attributes["data_fingerprint"], "num_examples": attributes["num_examples"]}
+        # the fingerprint counts rows; the callback's N counts privacy units (users with privacy_unit="user")
+        saved = {"num_examples": attributes["num_examples"], **attributes["data_fingerprint"]}
         mismatch = fingerprint_mismatch(saved, fingerprint)
         if mismatch is not None:
             raise TrainingSetMismatchError(

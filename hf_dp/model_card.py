@@ -120,6 +120,17 @@ class DPModelCardData:
             The settings that used those metrics (e.g. `load_best_model_at_end=True`) on an evaluation set that
             overlaps the training set (duplicates below the refusal threshold): the warning says that the choice of
             the released model is not covered either.
+        user_column (`str`, *optional*):
+            User-level DP (`privacy_unit="user"`): the column naming each row's user. `num_examples` and
+            `expected_batch_size` then count users.
+        max_examples_per_user (`int`, *optional*):
+            With `user_column`: the most rows of one user in a logical batch.
+        num_rows (`int`, *optional*):
+            With `user_column`: the rows of the training set.
+        adaptive_clipping (`dict`, *optional*):
+            Quantile-adaptive clipping: `target_quantile`, `learning_rate`, `count_noise_multiplier`,
+            `gradient_noise_multiplier` and `clip_norms` (the C of every step taken). `max_grad_norm` is then the
+            starting C.
 
     Example:
         ```python
@@ -154,6 +165,55 @@ class DPModelCardData:
     eval_checked: bool = False
     eval_overlap: list[str] = field(default_factory=list)
     eval_selection: list[str] = field(default_factory=list)
+    user_column: str | None = None
+    max_examples_per_user: int | None = None
+    num_rows: int | None = None
+    adaptive_clipping: dict[str, Any] | None = None
+
+
+def _unit_fields(data: DPModelCardData) -> dict[str, str]:
+    """The card's wording of the unit of privacy, the training set's size and the clipping norm."""
+    if data.user_column is None:
+        return {
+            "unit_of_privacy": "one training example (one row of the training set)",
+            "training_set_size": str(data.num_examples),
+            "clipping_norm_label": "Per-example clipping norm (C)",
+            "neighbouring": "one example",
+        }
+    rows = f" ({data.num_rows} rows)" if data.num_rows is not None else ""
+    return {
+        "unit_of_privacy": (
+            f"one user (column `{data.user_column}`): all of a user's rows, at most {data.max_examples_per_user} "
+            "examples per user in a logical batch, users Poisson-sampled"
+        ),
+        "training_set_size": f"{data.num_examples} users{rows}",
+        "clipping_norm_label": "Per-user clipping norm (C, on the sum of a user's per-example gradients)",
+        "neighbouring": "all the data of one user",
+    }
+
+
+def _adaptive_rows(data: DPModelCardData) -> str:
+    """Rows of quantile-adaptive clipping: its settings, the noise split and the trajectory of C."""
+    a = data.adaptive_clipping
+    if not a:
+        return _DROP
+    norms = [float(c) for c in a.get("clip_norms", [])]
+    if norms:
+        path = (
+            f"{_fmt(norms[0])} at the first step, {_fmt(norms[-1])} at the last ({len(norms)} steps; min "
+            f"{_fmt(min(norms))}, max {_fmt(max(norms))})"
+        )
+    else:
+        path = "no step taken yet"
+    return "\n".join(
+        [
+            f"| Adaptive clipping (Andrew et al. 2021) | target unclipped quantile {a['target_quantile']:g}, learning "
+            f"rate {a['learning_rate']:g}; C {path} |",
+            f"| Noise split (adaptive clipping) | gradient sigma {_fmt(a['gradient_noise_multiplier'])}, count of "
+            f"unclipped units sigma {_fmt(a['count_noise_multiplier'])}: together one Gaussian mechanism with the "
+            "noise multiplier above |",
+        ]
+    )
 
 
 def template_text(name: str = TEMPLATE_NAME) -> str:
@@ -487,7 +547,8 @@ def render_dp_section(data: DPModelCardData) -> str:
         sizes = ", ".join(_fmt(q * data.num_examples) for _, q, _ in segments)
         batch_row = f"| Expected logical batch size (q N, per segment) | {sizes} |"
     if data.poisson_sampling:
-        sampling, note = "Poisson (each example included independently with probability q)", _DROP
+        unit = "user" if data.user_column is not None else "example"
+        sampling, note = f"Poisson (each {unit} included independently with probability q)", _DROP
     else:
         sampling = "shuffled fixed-size batches (sampling without replacement)"
         note = "> [!WARNING]\n" + _wrap(
@@ -527,8 +588,9 @@ def render_dp_section(data: DPModelCardData) -> str:
         noise_rows=_noise_rows(segments),
         steps=steps,
         batch_row=batch_row,
-        num_examples=data.num_examples,
-        max_grad_norm=f"{data.max_grad_norm:g}",
+        max_grad_norm=f"{data.max_grad_norm:g}" + (" (starting value)" if data.adaptive_clipping else ""),
+        adaptive_rows=_adaptive_rows(data),
+        **_unit_fields(data),
         clipping_mode=data.clipping_mode,
         clipping_details_row=f"| Clipping details | {data.clipping_details} |" if data.clipping_details else _DROP,
         sampling=sampling,

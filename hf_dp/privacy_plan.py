@@ -18,6 +18,7 @@ from typing import Any
 
 from .accounting import noise_multiplier as calibrate_noise_multiplier
 from .accounting.methods import segments_epsilon
+from .adaptive_clipping import QuantileClipping, default_count_noise_multiplier, gradient_noise_multiplier
 from .arguments import DPArgumentsMixin
 
 __all__ = ["FROZEN_FIELDS", "DPPlan", "FrozenSettingsError", "resolve_plan", "settings_snapshot"]
@@ -83,6 +84,20 @@ class DPPlan:
     poisson_sampling: bool = True
     secure_mode: bool = False
     loss_scale: str | None = None
+    #: ``"example"``, or ``"user"``: then ``num_examples`` and ``expected_batch_size`` count users (of ``num_rows``
+    #: rows).
+    privacy_unit: str = "example"
+    user_column: str | None = None
+    max_examples_per_user: int | None = None
+    num_rows: int | None = None
+    #: Quantile-adaptive clipping (:mod:`hf_dp.adaptive_clipping`): ``max_grad_norm`` is then the starting C.
+    adaptive_clipping: bool = False
+    target_unclipped_quantile: float = 0.5
+    clipping_norm_lr: float = 0.2
+    count_noise_multiplier: float | None = None
+    #: The noise multiplier of the gradient: ``noise_multiplier`` (the accountant's), or larger with adaptive
+    #: clipping, whose count takes its share of the budget.
+    gradient_noise_multiplier: float | None = None
     #: :func:`settings_snapshot` of the arguments the plan was resolved from (kept in memory only: never saved).
     settings: tuple[Any, ...] = field(default=(), repr=False, compare=False)
 
@@ -91,6 +106,18 @@ class DPPlan:
         saved = asdict(self)
         del saved["settings"]  # holds every DP argument, `noise_seed` included: never written
         return saved
+
+    @property
+    def unit_name(self) -> str:
+        """How messages and the card call the unit: "example" or "user"."""
+        return "user" if self.privacy_unit == "user" else "example"
+
+    @property
+    def quantile_clipping(self) -> QuantileClipping | None:
+        """The adaptive clipping settings, or ``None`` for a fixed clipping norm."""
+        if not self.adaptive_clipping:
+            return None
+        return QuantileClipping(self.target_unclipped_quantile, self.clipping_norm_lr, self.count_noise_multiplier)
 
     def clipping_kwargs(self) -> dict[str, Any]:
         """The clipping policy keyword arguments of :class:`~hf_dp.BookKeepingClipper` for this plan."""
@@ -139,35 +166,40 @@ def resolve_plan(
     past: Sequence[Sequence[float]] = (),
     saved: dict[str, Any] | None = None,
     steps_done: int = 0,
+    num_rows: int | None = None,
 ) -> DPPlan:
-    """Resolve the plan for ``args`` on a training set of ``num_examples``.
+    """Resolve the plan for ``args`` on a training set of ``num_examples`` privacy units.
 
     Args:
         args (`DPTrainingArguments`): the run's arguments (read, never modified).
-        num_examples (`int`): ``N``.
+        num_examples (`int`): ``N``, the privacy units of the training set (its rows, or its users with
+            ``privacy_unit="user"``).
         world_size (`int`): number of data-parallel processes.
         past (`Sequence`): ``(sigma, q, steps)`` segments already spent (resume, or an earlier ``train()`` call).
         saved (`dict`, *optional*): the plan saved with the checkpoint being resumed; its sigma is reused when the
             schedule is unchanged, so that an interrupted run and an uninterrupted one add the same noise.
         steps_done (`int`): steps of this schedule already taken (the checkpoint's global step).
+        num_rows (`int`, *optional*): rows of the training set, with ``privacy_unit="user"``.
 
     Raises:
         ValueError: an expected batch larger than the data set, ``delta >= 1/N``, or a budget no noise reaches.
     """
+    by_user = getattr(args, "privacy_unit", "example") == "user"
+    unit = "user" if by_user else "example"
     expected_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
     if expected_batch_size > num_examples:
         raise ValueError(
-            f"The expected logical batch ({expected_batch_size} = per_device_train_batch_size x "
-            f"gradient_accumulation_steps x world_size) is larger than the training set ({num_examples}). Lower "
-            "`per_device_train_batch_size` or `gradient_accumulation_steps`."
+            f"The expected logical batch ({expected_batch_size} {unit}s = per_device_train_batch_size x "
+            f"gradient_accumulation_steps x world_size) is larger than the training set ({num_examples} {unit}s). "
+            "Lower `per_device_train_batch_size` or `gradient_accumulation_steps`."
         )
     sample_rate = expected_batch_size / num_examples
     delta = args.target_delta if args.target_delta is not None else 1 / (2 * num_examples)
     if delta >= 1 / num_examples:
         raise ValueError(
-            f"`target_delta`={delta:g} is not below 1/N = {1 / num_examples:g}: a mechanism that publishes one random "
-            "training example in full meets this delta, so the guarantee would mean little. Set `target_delta` well "
-            "below 1/N, or leave it unset for 1/(2N)."
+            f"`target_delta`={delta:g} is not below 1/N = {1 / num_examples:g} (N = {num_examples} {unit}s): a "
+            f"mechanism that publishes one random {unit}'s data in full meets this delta, so the guarantee would mean "
+            "little. Set `target_delta` well below 1/N, or leave it unset for 1/(2N)."
         )
     num_steps = (
         args.max_steps if args.max_steps and args.max_steps > 0 else math.ceil(args.num_train_epochs / sample_rate)
@@ -199,6 +231,7 @@ def resolve_plan(
         segments_epsilon(
             [*map(tuple, past), (sigma, sample_rate, max(num_steps - steps_done, 0))], delta, args.accountant
         )
+    adaptive = _adaptive_settings(args, float(sigma), expected_batch_size)
     return DPPlan(
         noise_multiplier=float(sigma),
         **draft,
@@ -211,5 +244,30 @@ def resolve_plan(
         poisson_sampling=bool(args.poisson_sampling),
         secure_mode=bool(args.secure_mode),
         loss_scale="fp16" if getattr(args, "fp16", False) else ("bf16" if getattr(args, "bf16", False) else None),
+        privacy_unit="user" if by_user else "example",
+        user_column=args.user_column if by_user else None,
+        max_examples_per_user=args.max_examples_per_user if by_user else None,
+        num_rows=num_rows if by_user else None,
+        **adaptive,
         settings=settings_snapshot(args),
     )
+
+
+def _adaptive_settings(args, sigma: float, expected_batch_size: int) -> dict[str, Any]:
+    """The plan's adaptive-clipping fields: the count's noise and the gradient's noise multiplier that together
+    spend the privacy of ``sigma`` (one Gaussian mechanism: :func:`~hf_dp.adaptive_clipping.gradient_noise_multiplier`).
+    """
+    if not getattr(args, "adaptive_clipping", False):
+        return {"gradient_noise_multiplier": sigma}
+
+    count_sigma = args.count_noise_multiplier
+    if count_sigma is None:
+        count_sigma = default_count_noise_multiplier(expected_batch_size, sigma)
+    config = QuantileClipping(float(args.target_unclipped_quantile), float(args.clipping_norm_lr), float(count_sigma))
+    return {
+        "adaptive_clipping": True,
+        "target_unclipped_quantile": config.target_quantile,
+        "clipping_norm_lr": config.learning_rate,
+        "count_noise_multiplier": config.count_noise_multiplier,
+        "gradient_noise_multiplier": gradient_noise_multiplier(sigma, config.count_noise_multiplier),
+    }

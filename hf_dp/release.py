@@ -37,8 +37,9 @@ __all__ = [
     "unreleased_log_keys",
 ]
 
-#: Log keys that are public or computed from the noised gradient only.
-RELEASED_LOG_KEYS = frozenset({"epoch", "step", "learning_rate", "grad_norm", "epsilon"})
+#: Log keys that are public or computed from noised releases only (``clip_norm``: adaptive clipping's C, set from
+#: the noised counts).
+RELEASED_LOG_KEYS = frozenset({"epoch", "step", "learning_rate", "grad_norm", "epsilon", "clip_norm"})
 #: Prefixes of released keys: epsilon per accountant, and metrics on evaluation data (not covered; the card says so).
 RELEASED_LOG_PREFIXES = ("epsilon_", "eval_", "test_", "predict_")
 #: TrainerState fields that count the training data; zeroed in released files.

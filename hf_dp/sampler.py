@@ -19,6 +19,9 @@ Given example lengths, each logical batch is ordered longest first before it is 
 micro-batch holds examples of similar length and pads little. This changes only how a logical batch is cut into
 micro-batches, never which examples it holds, so the privacy analysis is unchanged (clipping is per example and noise is
 added once per logical batch).
+
+:class:`~hf_dp.user_sampler.PoissonUserBatchSampler` (user-level DP) shares the schedule (:class:`_PoissonSchedule`)
+and the inclusion stream (:func:`_uniforms`), drawn over users instead of rows.
 """
 
 from __future__ import annotations
@@ -33,7 +36,72 @@ from torch.utils.data import Sampler
 __all__ = ["PoissonBatchSampler"]
 
 
-class PoissonBatchSampler(Sampler[list[int]]):
+def _uniforms(seed: int, draw: int, n: int, secure: bool) -> np.ndarray:
+    """``n`` uniforms in [0, 1) of logical batch ``draw``, keyed by ``(seed, draw)`` alone.
+
+    ``secure``: SHAKE-256 of ``"{seed}:{draw}"`` (53 bits of each 64-bit word); otherwise NumPy's PCG64 seeded by
+    ``[seed, draw]``. Shared by every Poisson sampler of the package, so that one draw means one key.
+    """
+    if secure:
+        stream = hashlib.shake_256(f"{seed}:{draw}".encode()).digest(8 * n)
+        return (np.frombuffer(stream, dtype=np.uint64) >> np.uint64(11)).astype(np.float64) / 2.0**53
+    return np.random.default_rng([seed, draw]).random(n)
+
+
+class _PoissonSchedule(Sampler[list[int]]):
+    """What every Poisson batch sampler shares: the arguments of the schedule, the epoch and the draws it uses.
+
+    Logical batch ``j`` of epoch ``e`` is draw ``draw_offset + e * steps_per_epoch + j``; each yields exactly
+    ``num_micro_batches`` micro-batches, so ``len`` is ``steps_per_epoch * num_micro_batches``.
+    """
+
+    def _init_schedule(
+        self,
+        sample_rate: float,
+        num_micro_batches: int,
+        steps_per_epoch: int | None,
+        seed: int,
+        draw_offset: int,
+        secure: bool,
+        num_replicas: int,
+        rank: int,
+    ) -> None:
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"`sample_rate` must be in (0, 1], got {sample_rate}.")
+        if num_micro_batches < 1:
+            raise ValueError(f"`num_micro_batches` must be >= 1, got {num_micro_batches}.")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"`rank` must be in [0, {num_replicas}), got {rank}.")
+        if draw_offset < 0:
+            raise ValueError(f"`draw_offset` must be >= 0, got {draw_offset}.")
+        self.sample_rate = sample_rate
+        self.num_micro_batches = num_micro_batches
+        self.steps_per_epoch = steps_per_epoch or max(1, math.floor(1 / sample_rate))
+        self.seed = seed
+        self.draw_offset = draw_offset
+        self.secure = secure
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.num_micro_batches
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    @property
+    def sampler(self) -> _PoissonSchedule:
+        # accelerate's DataLoaderShard.set_epoch also reaches `batch_sampler.batch_sampler.sampler.set_epoch`.
+        return self
+
+    def _draws(self) -> range:
+        """The draws (logical-batch keys) of the current epoch."""
+        first = self.draw_offset + self.epoch * self.steps_per_epoch
+        return range(first, first + self.steps_per_epoch)
+
+
+class PoissonBatchSampler(_PoissonSchedule):
     """Batch sampler yielding ``steps_per_epoch * num_micro_batches`` lists of indices per epoch.
 
     Args:
@@ -66,38 +134,13 @@ class PoissonBatchSampler(Sampler[list[int]]):
     ) -> None:
         if num_samples <= 0:
             raise ValueError(f"`num_samples` must be > 0, got {num_samples}.")
-        if not 0 < sample_rate <= 1:
-            raise ValueError(f"`sample_rate` must be in (0, 1], got {sample_rate}.")
-        if num_micro_batches < 1:
-            raise ValueError(f"`num_micro_batches` must be >= 1, got {num_micro_batches}.")
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"`rank` must be in [0, {num_replicas}), got {rank}.")
-        if draw_offset < 0:
-            raise ValueError(f"`draw_offset` must be >= 0, got {draw_offset}.")
+        self._init_schedule(
+            sample_rate, num_micro_batches, steps_per_epoch, seed, draw_offset, secure, num_replicas, rank
+        )
         if lengths is not None and len(lengths) != num_samples:
             raise ValueError(f"`lengths` has {len(lengths)} entries for {num_samples} examples.")
         self.num_samples = num_samples
-        self.sample_rate = sample_rate
-        self.num_micro_batches = num_micro_batches
-        self.steps_per_epoch = steps_per_epoch or max(1, math.floor(1 / sample_rate))
-        self.seed = seed
-        self.draw_offset = draw_offset
-        self.secure = secure
-        self.num_replicas = num_replicas
-        self.rank = rank
         self.lengths = None if lengths is None else np.asarray(lengths)
-        self.epoch = 0
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch * self.num_micro_batches
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    @property
-    def sampler(self) -> PoissonBatchSampler:
-        # accelerate's DataLoaderShard.set_epoch also reaches `batch_sampler.batch_sampler.sampler.set_epoch`.
-        return self
 
     def __repr__(self) -> str:  # never show the seed
         return (
@@ -106,15 +149,11 @@ class PoissonBatchSampler(Sampler[list[int]]):
         )
 
     def _uniforms(self, draw: int) -> np.ndarray:
-        if self.secure:
-            stream = hashlib.shake_256(f"{self.seed}:{draw}".encode()).digest(8 * self.num_samples)
-            return (np.frombuffer(stream, dtype=np.uint64) >> np.uint64(11)).astype(np.float64) / 2.0**53
-        return np.random.default_rng([self.seed, draw]).random(self.num_samples)
+        return _uniforms(self.seed, draw, self.num_samples, self.secure)
 
     def logical_batches(self) -> Iterator[np.ndarray]:
         """The logical batches of the current epoch (indices over all ranks)."""
-        first = self.draw_offset + self.epoch * self.steps_per_epoch
-        for draw in range(first, first + self.steps_per_epoch):
+        for draw in self._draws():
             yield np.flatnonzero(self._uniforms(draw) < self.sample_rate)
 
     def __iter__(self) -> Iterator[list[int]]:

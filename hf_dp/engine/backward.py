@@ -11,7 +11,15 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import UnsupportedModuleError
-from ..layers.grads import FactoredGrad, PerExampleGrad, instantiate, norm_sq, weighted_sum
+from ..layers.grads import (
+    FactoredGrad,
+    PerExampleGrad,
+    group_units,
+    instantiate,
+    merge_repeated_ids,
+    norm_sq,
+    weighted_sum,
+)
 from .checkpointing import backward_keeping_grads, graph_leaves, own_saved_tensors, rerun_without_reentrant
 from .rows import closed_form_grads, foreign_rows
 from .state import Pass, Use, grad_stamp
@@ -122,6 +130,10 @@ class BackwardBookkeeping:
                 f"{[names.get(q, '?') for q in missing][:3]}, which it covers: nothing was added to `p.grad` (a "
                 "missing gradient would count as zero and silently leave the parameter out of its norm)."
             )
+        units = self._pass.units
+        if units is not None:  # one gradient per privacy unit, the sum of its examples' (before the cost choice)
+            grads = {q: group_units(g, units) for q, g in grads.items()}
+        grads = {q: merge_repeated_ids(g) for q, g in grads.items()}  # embedding rows of one id added first
         if self.mode in ("bk-mixopt", "per-sample"):
             for q, g in grads.items():
                 if isinstance(g, FactoredGrad) and (self.mode == "per-sample" or g.prefers_instantiation()):
@@ -216,7 +228,7 @@ class BackwardBookkeeping:
         if self._sum_checked:
             return
         self._sum_checked = True
-        ones = torch.ones(p.size, dtype=self._norm_dtype, device=p.norm_sq.device)
+        ones = torch.ones(p.num_units, dtype=self._norm_dtype, device=p.norm_sq.device)
         _, param_names = self._names()
         # a gradient that is zero in theory (a key bias under softmax) is round-off on both sides: floor the scale at
         # a share of the whole gradient's that is above the round-off of its precision

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import UnsupportedModuleError
+from ..layers.grads import Units
 from .backward import BackwardBookkeeping
 from .capture import CallCapture
 from .clipping import GroupClipping
@@ -96,7 +97,7 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
         clipper = BookKeepingClipper(model, max_grad_norm=0.1, clipping_style="layer-wise")
         loss = per_example_loss(model(**batch), batch)  # [B]
         clipper.backward(loss)  # p.grad += sum_i sum_g min(1, C_g / ||g_{i,g}||) g_{i,g}
-        clipper.per_example_norms  # [B] total norms; clipper.per_group_norms: [G, B]
+        clipper.per_example_norms  # [B] total norms ([U] with `units`); clipper.per_group_norms: [G, B]
         clipper.remove()
         ```
     """
@@ -256,7 +257,7 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
         self._check_own_passes("run the self-check")
         return self_check(self, inputs, per_example_loss, num_examples=num_examples)
 
-    def backward(self, per_example_loss: Tensor) -> Tensor:
+    def backward(self, per_example_loss: Tensor, *, units=None) -> Tensor:
         """Accumulate ``sum_i c_i g_i`` into ``p.grad`` of every trainable parameter (group by group with several
         clipping groups; :attr:`policy` gives ``c``).
 
@@ -264,6 +265,9 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
 
         Args:
             per_example_loss (`torch.Tensor`): shape ``[B]``; entry ``i`` must depend on example ``i`` alone.
+            units (`Sequence[int]` or CPU `torch.Tensor`, *optional*): the privacy unit of every example (codes
+                ``0 .. U-1``, e.g. one per user): each unit's gradient ``sum_{i in u} g_i`` is clipped as one, and
+                the norms and coefficients are per unit (``[U]``). Read on the host (pass a CPU tensor: no sync).
 
         Returns:
             `torch.Tensor`: the clipping coefficients (0 for an example whose gradient is not finite): ``[B]`` with
@@ -273,7 +277,7 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
             ValueError: a loss that is not ``[B]`` for the batch of the last forward pass, or no forward pass.
             UnsupportedModuleError: a loss that couples examples (checked on the first batch).
         """
-        self._begin(per_example_loss, keep_all=False, loss_scale=1.0)
+        self._begin(per_example_loss, keep_all=False, loss_scale=1.0, units=units)
         if self._pass.size > 0 and self._pass.uses:
             try:
                 per_example_loss.sum().backward(retain_graph=self.mode == "ghost")
@@ -293,7 +297,7 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
         self._prepared, self._pass = False, None
         self._recompute_leave()
 
-    def prepare(self, per_example_loss: Tensor, *, loss_scale: float | None = None) -> None:
+    def prepare(self, per_example_loss: Tensor, *, loss_scale: float | None = None, units=None) -> None:
         """Start book-keeping the backward pass of ``per_example_loss`` that the caller is about to run.
 
         For callers that run the backward themselves (the Trainer, through accelerate's loss scaling): call
@@ -305,15 +309,17 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
             loss_scale (`float`, *optional*): ``w``. With several clipping groups the groups are clipped inside the
                 backward pass only if ``w`` is known here (else in ``finish``, with the same result but no memory
                 saving); ``finish`` may then omit it.
+            units (`Sequence[int]` or CPU `torch.Tensor`, *optional*): the privacy unit of every example, as in
+                :meth:`backward` (clipping per unit).
 
         Raises:
             ValueError: no forward pass with gradients since the last ``finish()``, a loss that is not ``[B]``, or a
                 non-positive ``loss_scale``.
             UnsupportedModuleError: a loss that couples examples (checked on the first batch).
         """
-        self._begin(per_example_loss, keep_all=False, loss_scale=loss_scale)
+        self._begin(per_example_loss, keep_all=False, loss_scale=loss_scale, units=units)
 
-    def _begin(self, per_example_loss: Tensor, *, keep_all: bool, loss_scale: float | None = None) -> None:
+    def _begin(self, per_example_loss: Tensor, *, keep_all: bool, loss_scale: float | None = None, units=None) -> None:
         if loss_scale is not None and not loss_scale > 0:
             raise ValueError(f"`loss_scale` must be > 0, got {loss_scale}.")
         if per_example_loss.dim() != 1:
@@ -337,6 +343,12 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
             )
         if self.mode == "ghost" and p.size > 0 and not per_example_loss.requires_grad:
             raise ValueError("`per_example_loss` does not require grad.")
+        p.units = None
+        if units is not None:
+            if len(units) != p.size:
+                raise ValueError(f"`units` has {len(units)} entries for {p.size} examples: give one unit per example.")
+            grouping = Units.of(units, per_example_loss.device)
+            p.units = None if grouping.trivial else grouping
         p.keep_all = keep_all or (self.mode == "ghost" and not self._sum_checked)
         num_groups = len(self._groups)
         counts: dict[nn.Parameter, int] = defaultdict(int)
@@ -350,8 +362,8 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
         p.use_counts = counts
         p.pending, p.done, p.pieces = pending, [False] * num_groups, {}
         device = per_example_loss.device
-        p.norm_sq = torch.zeros(num_groups, p.size, dtype=self._norm_dtype, device=device)
-        p.coef = torch.zeros(num_groups, p.size, dtype=self._norm_dtype, device=device)
+        p.norm_sq = torch.zeros(num_groups, p.num_units, dtype=self._norm_dtype, device=device)
+        p.coef = torch.zeros(num_groups, p.num_units, dtype=self._norm_dtype, device=device)
         p.loss_scale = loss_scale
         p.in_hook = num_groups > 1 and loss_scale is not None and not p.keep_all and self.mode != "ghost"
         if num_groups > 1 and loss_scale is None and not keep_all and not self._warned_scale:

@@ -118,8 +118,9 @@ class GroupClipping:
             raise ValueError("`ghost` mode needs the per-example loss again for its second backward pass.")
         for q in self._trainable:  # drop the first backward's unclipped sums (checked above)
             q.grad = None
+        weights = coef if p.units is None else coef[p.units.index]  # each example takes its unit's coefficient
         with self._inert():
-            (per_example_loss * coef.to(per_example_loss.dtype)).sum().backward()
+            (per_example_loss * weights.to(per_example_loss.dtype)).sum().backward()
         for q in self._trainable:
             total = q.grad.detach() if q.grad is not None else None
             q.grad = p.grads_before[q]

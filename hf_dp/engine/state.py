@@ -81,6 +81,12 @@ class Pass:
     record_random: bool = False  # random draws of fallback modules recorded in the forward pass (and recomputation)
     grads_before: dict | None = None  # ghost mode: p.grad before the first backward; bk: (id, version) of p.grad
     complete: bool = False  # the forward pass returned
+    units: Any = None  # grads.Units: clip per privacy unit (several examples); None: per example
+
+    @property
+    def num_units(self) -> int:
+        """The number of clipped units: examples, or the privacy units (users) they belong to."""
+        return self.size if self.units is None else self.units.count
 
     @property
     def size(self) -> int:

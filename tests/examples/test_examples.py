@@ -374,3 +374,216 @@ def test_sft_trl_script_offline(tmp_path, variant):
     assert "## Differential privacy" in (out / "README.md").read_text()
     saved = {p.name for p in out.iterdir()}
     assert ("adapter_config.json" in saved) == bool(variant)
+
+
+# ---------------------------------------------------------------- user-level DP (--privacy_unit user)
+
+#: Rows per author of the synthetic multi-author sets: authors of 1, 2 and 5 rows, four of each (12 users, 32 rows).
+AUTHOR_SIZES = [1, 2, 5] * 4
+#: Micro-batches of 2 users, 2 of them a step: L = 4 users expected of 12.
+USER_BATCH = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+
+
+def _authored_rows(words=("good", "bad", "fine", "dull", "fun", "long")):
+    """Synthetic reviews, each written by one author; the authors' rows are interleaved, not contiguous."""
+    authors = [f"author-{u}" for u, n in enumerate(AUTHOR_SIZES) for _ in range(n)]
+    order = torch.randperm(len(authors), generator=torch.Generator().manual_seed(0)).tolist()
+    return [
+        {"sentence": f"a {words[i % len(words)]} movie", "label": i % 2, "author": authors[j]}
+        for i, j in enumerate(order)
+    ]
+
+
+def _write_rows(path: Path, rows) -> Path:
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        delimiter = "\t" if path.suffix == ".tsv" else ","
+        lines = [delimiter.join(rows[0])] + [delimiter.join(str(v) for v in r.values()) for r in rows]
+        path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _user_level(column: str, k: int = 2) -> list[str]:
+    return ["--privacy_unit", "user", "--user_column", column, "--max_examples_per_user", str(k)]
+
+
+def _assert_user_report(report, out: Path, column: str, users: int, rows: int) -> None:
+    privacy = report["privacy"]
+    assert privacy["private"] and privacy["steps"] == 2
+    assert privacy["unit"] == f"user ({column})"
+    assert (privacy["users"], privacy["rows"], privacy["max_examples_per_user"]) == (users, rows, 2)
+    assert privacy["expected_batch_size"] == 4 and privacy["sample_rate"] == pytest.approx(4 / users)
+    assert privacy["delta"] == pytest.approx(1 / (2 * users))  # the default delta counts users
+    assert json.loads((out / "results.json").read_text())["privacy"]["unit"] == f"user ({column})"
+    card = (out / "README.md").read_text()
+    assert f"one user (column `{column}`)" in card and f"{users} users ({rows} rows)" in card
+
+
+@pytest.mark.parametrize(
+    "suffix, variant",
+    [
+        (".csv", ["--head", "prompt"]),
+        # adaptive C; a JSON-lines file; the user column kept through a collator that never sees it
+        (
+            ".jsonl",
+            ["--head", "classification", "--adaptive_clipping", "true", "--count_noise_multiplier", "1"]
+            + ["--remove_unused_columns", "false"],
+        ),
+    ],
+)
+def test_text_classification_user_level(tmp_path, capsys, suffix, variant):
+    rows = _authored_rows()
+    data = _write_rows(tmp_path / f"train{suffix}", rows)
+    model_dir = tmp_path / "mlm"
+    _tiny_mlm(model_dir, [r["sentence"] for r in rows])
+    out = tmp_path / "out"
+    cli = ["--model_name_or_path", str(model_dir), "--train_file", str(data), "--validation_file", str(data)]
+    cli += ["--output_dir", str(out), "--noise_multiplier", "1", "--eval_strategy", "no", "--max_eval_samples", "8"]
+    report = load("text_classification").main([*cli, *TINY, *USER_BATCH, *_user_level("author"), *variant])
+    _assert_user_report(report, out, "author", users=12, rows=32)
+    assert report["train_examples"] == 32
+    if "--adaptive_clipping" in variant:
+        privacy = report["privacy"]
+        assert privacy["adaptive_clipping"] and privacy["clip_norms"][0] == 0.1 and len(privacy["clip_norms"]) == 2
+        assert privacy["clip_norm"] > 0 and privacy["clip_norm"] != 0.1  # C moved (from noised counts)
+        assert " C " in capsys.readouterr().out  # the logged clip_norm, printed at each logging step
+        assert "Adaptive clipping" in (out / "README.md").read_text()
+    else:
+        assert "adaptive_clipping" not in report["privacy"]
+
+
+def test_text_classification_user_column_must_exist(tmp_path):
+    rows = _authored_rows()
+    data = _write_rows(tmp_path / "train.tsv", rows)
+    model_dir = tmp_path / "mlm"
+    _tiny_mlm(model_dir, [r["sentence"] for r in rows])
+    cli = ["--model_name_or_path", str(model_dir), "--train_file", str(data), "--validation_file", str(data)]
+    cli += ["--output_dir", str(tmp_path / "out"), "--noise_multiplier", "1", *TINY]
+    example = load("text_classification")
+    with pytest.raises(ValueError, match=r"'writer' is not a column.*\['author', 'label', 'sentence'\]"):
+        example.main([*cli, *_user_level("writer")])
+    with pytest.raises(ValueError, match="model input or label column"):
+        example.main([*cli, *_user_level("label")])
+
+
+def test_user_level_flags_parse_and_the_baseline_drops_them(tmp_path):
+    load("text_classification")  # puts examples/ on sys.path
+    import common
+
+    base = ["--output_dir", str(tmp_path), "--noise_multiplier", "1"]
+    flags = [*_user_level("author"), "--adaptive_clipping", "true", "--count_noise_multiplier", "2"]
+    *_, args, disable_dp = common.parse_args((), common.COMMON_DEFAULTS, [*base, *flags])
+    assert not disable_dp and args.privacy_unit == "user" and args.user_column == "author"
+    assert args.max_examples_per_user == 2 and args.adaptive_clipping and args.count_noise_multiplier == 2
+    # a user's rows share a micro-batch: the examples' group_by_length default gives way
+    assert args.train_sampling_strategy == "random" and common.user_column(args) == "author"
+    flags[:2] = ["--privacy_unit=user"]
+    *_, args, _ = common.parse_args((), common.COMMON_DEFAULTS, [*base, *flags])
+    assert args.privacy_unit == "user" and args.train_sampling_strategy == "random"
+    *_, args, disable_dp = common.parse_args((), common.COMMON_DEFAULTS, [*base, *flags, "--disable_dp"])
+    assert disable_dp and common.user_column(args) is None and not hasattr(args, "privacy_unit")
+    *_, args, _ = common.parse_args((), common.COMMON_DEFAULTS, base)
+    assert args.train_sampling_strategy == "group_by_length" and common.user_column(args) is None
+
+
+def _tiny_gpt2(out: Path) -> list[str]:
+    return [
+        "--model_name_or_path",
+        str(SHARED / "tokenizers" / "gpt2"),
+        "--from_scratch",
+        "--config_overrides",
+        "n_layer=1,n_embd=32,n_head=2",
+        "--output_dir",
+        str(out),
+        "--noise_multiplier",
+        "1.0",
+    ]
+
+
+@needs_shared
+@pytest.mark.parametrize("column", ["name", "table"])
+def test_table_to_text_user_level_on_e2e(tmp_path, column):
+    """Derived users of the shared E2E file: its restaurants (name : ...) or its meaning representations."""
+    example = load("table_to_text")
+    train = SHARED / "e2e" / "prefix_format" / "train.txt.gz"
+    import gzip
+
+    with gzip.open(train, "rt", encoding="utf-8") as f:
+        tables = [next(f).split("||")[0].strip() for _ in range(64)]
+    # oracle: the first field of every E2E MR is its name
+    names = {t.split(" | ")[0].removeprefix("name : ") for t in tables}
+    users = len(names) if column == "name" else len(set(tables))
+    out = tmp_path / "e2e"
+    cli = [*_tiny_gpt2(out), "--train_file", str(train), "--max_train_samples", "64"]
+    report = example.main([*cli, *TINY, *USER_BATCH, *_user_level(column)])
+    _assert_user_report(report, out, column, users=users, rows=64)
+    assert report["metrics"] == {}
+
+
+@needs_shared
+def test_table_to_text_user_column_of_a_csv_file_with_adaptive_clipping(tmp_path, capsys):
+    """An E2E-style CSV (mr, ref) with an author column, synthetic (no download)."""
+    authors = [f"writer-{u}" for u, n in enumerate(AUTHOR_SIZES) for _ in range(n)]
+    foods = ["Italian", "French", "Chinese", "English"]
+    lines = ["mr,ref,author"] + [
+        f'"name[Place {i % 5}], eatType[pub], food[{foods[i % 4]}], priceRange[£20-25]",'
+        f"Place {i % 5} is a {foods[i % 4]} pub.,{a}"
+        for i, a in enumerate(authors)
+    ]
+    train = tmp_path / "train.csv"
+    train.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    example = load("table_to_text")
+    examples = example.load_examples(example.DataArguments(train_file=str(train)))
+    assert examples[0]["table"] == "name : Place 0 | Type : pub | food : Italian | price : £ 20 - 25"
+    assert examples[0]["ref"] == "Place 0 is a Italian pub." and examples[0]["fields"]["author"] == "writer-0"
+    out = tmp_path / "csv"
+    cli = [*_tiny_gpt2(out), "--train_file", str(train), "--adaptive_clipping", "true", "--count_noise_multiplier", "1"]
+    report = example.main([*cli, *TINY, *USER_BATCH, *_user_level("author")])
+    _assert_user_report(report, out, "author", users=12, rows=32)
+    assert len(report["privacy"]["clip_norms"]) == 2 and report["privacy"]["clip_norm"] > 0
+    assert " C " in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"'writer' is not a column.*\['author', 'mr', 'ref'\].*'table'.*'name'"):
+        example.main([*cli, *TINY, *_user_level("writer")])
+
+
+def test_table_to_text_derived_users():
+    example = load("table_to_text")
+    assert example.e2e_name("name : The Vaults | Type : pub | near : Café Adriatic") == "The Vaults"
+    assert example.e2e_name("eatType[pub], name[The Eagle], near[Burger King]") == "The Eagle"
+    assert example.e2e_name("Type : pub | area : riverside") is None
+    assert example.dart_entity([["Mars Hill College", "JOINED", "1973"], ["x", "p", "y"]]) == "Mars Hill College"
+    table = [["[TABLECONTEXT]", "METROPOLITAN_AREA", "Berlin"], ["[TABLECONTEXT]", "[TITLE]", "Metropolitan areas"]]
+    assert example.dart_entity(table) == "Metropolitan areas"  # a row of a Wikipedia table: the table
+    rows = [{"table": "Type : pub", "ref": "A pub.", "entity": None, "fields": {}}]
+    with pytest.raises(ValueError, match="names no entity"):
+        example.example_users(rows, "name", "rows")
+    assert example.example_users(rows, "table", "rows") == ["Type : pub"]
+
+
+@needs_shared
+def test_e2e_csv_tables_match_the_prefix_format():
+    """The original MRs of E2E's dev split, in the prefix layout, are prefix_format/valid.txt's, row for row."""
+    import csv
+
+    example = load("table_to_text")
+    with open(SHARED / "e2e" / "original" / "devset.csv", encoding="utf-8") as f:
+        mrs = [r["mr"] for r in csv.DictReader(f)]
+    with open(SHARED / "e2e" / "prefix_format" / "valid.txt", encoding="utf-8") as f:
+        tables = [line.split("||")[0].strip() for line in f]
+    assert len(mrs) == len(tables) and [example.e2e_prefix_table(m) for m in mrs] == tables
+
+
+@needs_shared
+def test_table_to_text_dart_users():
+    """DART: a key of the annotations (``source``) is a user column; ``name`` groups the triple sets by entity."""
+    example = load("table_to_text")
+    data = example.DataArguments(train_file=str(SHARED / "dart" / "dart-v1.1.1-full-dev.json.gz"))
+    examples = example.load_examples(data)
+    assert len(examples) == 6980  # one row per annotation (SOURCE.md: 2,768 triple sets)
+    sources = example.example_users(examples, "source", "dart")
+    assert all(s.startswith(("WikiSQL", "WikiTableQuestions", "webnlg", "e2e")) for s in sources)
+    names = example.example_users(examples, "name", "dart")
+    assert "[TABLECONTEXT]" not in names[:50] and len(set(names)) < len(
+        set(example.example_users(examples, "table", ""))
+    )

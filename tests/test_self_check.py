@@ -191,3 +191,53 @@ def test_lora_with_gradient_checkpointing_passes_the_self_check(float64, name, r
     for param_name in names:
         assert_rel_close(params[param_name].grad, expected[param_name], 1e-6, param_name)
     clipper.remove()
+
+
+class _TrainOnlyScale(nn.Linear):
+    """A linear layer that scales its output by 3 in training mode only (a stand-in for any train-only path)."""
+
+    def forward(self, x):
+        return super().forward(x) * (3.0 if self.training else 1.0)
+
+
+class _TrainOnlyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.drop = nn.Dropout(0.5)
+        self.fc = _TrainOnlyScale(6, 5)
+
+    def forward(self, ids):
+        return self.fc(self.drop(torch.tanh(self.embed(ids))))
+
+
+def test_a_rule_wrong_in_training_mode_only_is_caught(float64):
+    """A rule that ignores a training-only factor (right in eval mode, 3x in training): the eval-mode check passes,
+    the training-mode one (same dropout masks for the engine and the reference) names the parameter."""
+
+    register_rule(_TrainOnlyScale)(type("EvalOnlyRule", (LinearRule,), {}))
+    try:
+        torch.manual_seed(0)
+        model = _TrainOnlyNet().double()
+        clipper = BookKeepingClipper(model, max_grad_norm=1.0)
+        model.eval()
+        assert clipper.self_check(_batch(), _net_loss) < 1e-9
+        model.train()
+        state = torch.get_rng_state()
+        with pytest.raises(SelfCheckError, match=r"in training mode.*`fc\.weight`"):
+            clipper.self_check(_batch(), _net_loss)
+        assert torch.equal(torch.get_rng_state(), state)  # training draws what it would have drawn without the check
+        clipper.remove()
+    finally:
+        LAYER_RULES.pop(_TrainOnlyScale, None)
+
+
+def test_dropout_in_training_mode_passes(float64):
+    """With dropout on, the training-mode check compares like with like (the same masks): it passes."""
+    torch.manual_seed(0)
+    model = _TrainOnlyNet().double()
+    model.fc = nn.Linear(6, 5).double()
+    clipper = BookKeepingClipper(model, max_grad_norm=1.0)
+    model.train()
+    assert clipper.self_check(_batch(), _net_loss) < 1e-9
+    clipper.remove()

@@ -3,7 +3,10 @@
 The engine proves layouts and checks every rule against autograd on the first batch, but the whole chain (the
 per-example loss, the model's wiring, cross terms of shared weights) is only checked end to end here: on a few
 examples of a real micro-batch, in eval mode, the engine's per-parameter per-example norms are compared with those of
-an ordinary backward pass on each example alone (DESIGN §4.17).
+an ordinary backward pass on each example alone (DESIGN §4.17). When training runs the model in training mode, the
+check is repeated in that mode (dropout, SpecAugment, router jitter: paths eval mode never takes), with the engine's
+pass and the reference's drawing the same random numbers; there the reference differentiates each example's loss of
+the batched forward on its own.
 
 Every parameter is checked on its own (DESIGN §19): a parameter whose norm is a small share of the total (an MoE
 router) can be 100% wrong while the total is within any tolerance. A parameter fails when its error exceeds
@@ -20,14 +23,20 @@ bfloat16 and float16 ``5e-2`` (a few units of an 8- or 11-bit mantissa); of the 
 
 from __future__ import annotations
 
+import logging
+import random
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from ..layers import UnsupportedModuleError
 from .batch import root_batch, slice_batch
+from .checkpointing import graph_leaves
 from .probe import frozen_rng
+
+logger = logging.getLogger("hf_dp")
 
 __all__ = ["PARAMETER_TOLERANCE", "ROUNDOFF_FLOOR", "SELF_CHECK_TOLERANCE", "SelfCheckError", "self_check"]
 
@@ -117,6 +126,80 @@ def self_check(
             for m, flag in flags:
                 m.training = flag
     tol, own_tol, floor = _tolerances(trainable)
+    worst = _compare(engine, reference, trainable, names, (tol, own_tol, floor), "")
+    if any(flag for _, flag in flags):  # training runs (part of) the model in training mode: check that mode too
+        trained = _training_mode_norms(clipper, inputs, per_example_loss, trainable, count, devices)
+        if trained is not None:
+            worst = max(worst, _compare(*trained, trainable, names, (tol, own_tol, floor), " in training mode"))
+    return worst
+
+
+def _rng_state(devices: list[torch.device]) -> tuple:
+    cuda = [(d, torch.cuda.get_rng_state(d)) for d in devices if d.type == "cuda"]
+    return torch.get_rng_state(), cuda, np.random.get_state(), random.getstate()
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda, numpy_state, python_state = state
+    torch.set_rng_state(cpu)
+    for d, s in cuda:
+        torch.cuda.set_rng_state(s, d)
+    np.random.set_state(numpy_state)
+    random.setstate(python_state)
+
+
+def _training_mode_norms(clipper, inputs, per_example_loss, trainable, count, devices):
+    """``(engine, reference)`` per-parameter norms of the first ``count`` examples with the model in the mode training
+    uses (dropout, SpecAugment's masks, router jitter), or ``None`` if the random draws could not be replayed.
+
+    Both passes run the whole micro-batch from the same random state (torch, NumPy and Python generators): the
+    reference differentiates each example's loss of that batched forward on its own (plain autograd on the batch's
+    graph, exact under any random draw, since the first batch showed that loss ``i`` depends on example ``i``
+    alone), the engine book-keeps its own forward. The generators are restored afterwards, so training draws what it
+    would have drawn without the check."""
+    model: nn.Module = clipper.model
+    start = _rng_state(devices)
+    losses: dict[str, Tensor] = {}
+    try:
+        with clipper._inert():
+            loss = per_example_loss(model, inputs)
+            losses["reference"] = loss.detach()
+            # backward (not autograd.grad, which reentrant checkpointing refuses), every leaf's .grad kept as it was
+            kept = {id(v): (v, v.grad) for v in [*trainable, *graph_leaves(loss)]}
+            reference = []
+            try:
+                for i in range(count):
+                    for v, _ in kept.values():
+                        v.grad = None
+                    torch.autograd.backward(loss[i], retain_graph=i + 1 < count)
+                    reference.append({p: (0.0 if p.grad is None else float(p.grad.double().norm())) for p in trainable})
+            finally:
+                for v, grad in kept.values():
+                    v.grad = grad
+            del loss
+        _set_rng_state(start)
+
+        def recording_loss(m, batch):
+            out = per_example_loss(m, batch)
+            losses["engine"] = out.detach()
+            return out
+
+        engine = clipper._parameter_norms(inputs, recording_loss)
+    finally:
+        _set_rng_state(start)
+    ref, got = losses["reference"], losses.get("engine")
+    if got is None or got.shape != ref.shape or not torch.allclose(got, ref, rtol=1e-5, atol=0, equal_nan=True):
+        logger.info(
+            "hf_dp self-check: the model's random draws in training mode could not be replayed for the engine's pass "
+            "(its losses differ from the reference's): only the eval-mode check ran."
+        )
+        return None
+    return engine, reference
+
+
+def _compare(engine, reference, trainable, names, tolerances, where: str) -> float:
+    """The worst relative error of the engine's per-parameter norms; :class:`SelfCheckError` past the tolerances."""
+    tol, own_tol, floor = tolerances
     worst, problems = 0.0, []
     for i, ref in enumerate(reference):
         total = sum(v * v for v in ref.values()) ** 0.5
@@ -135,8 +218,8 @@ def self_check(
         shown = "; ".join(text for _, text in problems[:5])
         more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
         raise SelfCheckError(
-            f"Self-check failed: the engine's per-example gradient norms differ from per-example autograd by up to "
-            f"{problems[0][0]:.2e} of the parameter's own norm (tolerance {own_tol:.0e}, and {tol:.0e} of the "
+            f"Self-check failed{where}: the engine's per-example gradient norms differ from per-example autograd by up "
+            f"to {problems[0][0]:.2e} of the parameter's own norm (tolerance {own_tol:.0e}, and {tol:.0e} of the "
             f"example's norm) for {shown}{more}. A layer rule is "
             "wrong for this model: register a correct rule with `hf_dp.layers.register_rule(..., override=True)` "
             "or remove the wrong one so the torch.func fallback is used, and report the model."

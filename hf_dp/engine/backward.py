@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from ..layers import UnsupportedModuleError
 from ..layers.grads import (
     FactoredGrad,
+    InstantiatedGrad,
     PerExampleGrad,
     group_units,
     instantiate,
@@ -89,7 +90,12 @@ class BackwardBookkeeping:
         group_of = self._group_of
         for q, g in grads.items():
             if p.use_counts.get(q, 0) == 1 and not p.keep_all:
-                p.norm_sq[group_of[q]].add_(norm_sq(g, self._norm_dtype))  # in place: `+=` on an index copies back
+                # added to the group's norm once, when it is clipped (one stack-sum instead of an add per parameter;
+                # the instantiated ones side by side, one square-sum for all of them)
+                if isinstance(g, InstantiatedGrad):
+                    p.norm_dense.setdefault(group_of[q], []).append(g.value)
+                else:
+                    p.norm_parts.setdefault(group_of[q], []).append(norm_sq(g, self._norm_dtype, clamp=False))
                 if self.mode == "ghost":  # norms only: the second backward forms the sum
                     continue
             p.pieces.setdefault(q, []).append(g)

@@ -48,6 +48,15 @@ class GroupClipping:
 
     def _group_pieces(self, p: Pass, g: int) -> dict[nn.Parameter, list[PerExampleGrad]]:
         """Take the book-kept pieces of group ``g`` out of the pass, adding the norms of shared parameters."""
+        parts = p.norm_parts.pop(g, [])
+        dense = p.norm_dense.pop(g, None)
+        if dense:  # every instantiated gradient of the group side by side: one square-sum
+            flat = [v if v.dim() == 2 else v.reshape(v.shape[0], -1) for v in dense]
+            side = flat[0] if len(flat) == 1 else torch.cat(flat, 1)
+            parts.append(side.to(self._norm_dtype).pow(2).sum(1))
+            del flat, side
+        if parts:  # the group's single-use terms, unclamped: one sum, clamped once (ghost products round below 0)
+            p.norm_sq[g].add_(parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)).clamp_min_(0)
         pieces = {}
         for q in self._groups.params[g]:
             parts = p.pieces.pop(q, None)
@@ -67,7 +76,8 @@ class GroupClipping:
             coef = self.policy.coefficients(norms, len(self._groups))
             # examples whose norm is not finite are masked on the device (no host sync to ask whether any is)
             keep = torch.isfinite(norms)
-            zeros: dict[torch.dtype, Tensor] = {}
+            zeros: dict = {}  # per dtype: a zero; per number of dimensions: `keep` shaped for it
+            views: dict = {}  # per dtype: the coefficients cast and shaped for a factor
             p.coef[g] = coef
             for q in self._groups.params[g]:
                 parts = pieces.pop(q, None)
@@ -75,9 +85,9 @@ class GroupClipping:
                 # the dtype of the parameter the optimizer steps on (FSDP2 may compute in a lower one)
                 dtype = self._registered.get(q, q).dtype
                 if parts:
-                    total = weighted_sum(_masked(parts[0], keep, zeros), coef, dtype)
+                    total = weighted_sum(_masked(parts[0], keep, zeros), coef, dtype, views=views)
                     for part in parts[1:]:
-                        total += weighted_sum(_masked(part, keep, zeros), coef, dtype)
+                        total += weighted_sum(_masked(part, keep, zeros), coef, dtype, views=views)
                     del parts
                 self._deliver(p, q, total)
         p.done[g] = True
@@ -138,7 +148,10 @@ def _masked(grad: PerExampleGrad, keep: Tensor, zeros: dict) -> PerExampleGrad:
         zero = zeros.get(f.dtype)
         if zero is None:
             zero = zeros[f.dtype] = torch.zeros((), dtype=f.dtype, device=f.device)
-        return torch.where(keep.view((-1,) + (1,) * (f.dim() - 1)), f, zero)
+        shaped = zeros.get(f.dim())  # keep, shaped to broadcast over a factor of this many dimensions
+        if shaped is None:
+            shaped = zeros[f.dim()] = keep.view((-1,) + (1,) * (f.dim() - 1))
+        return torch.where(shaped, f, zero)
 
     if isinstance(grad, InstantiatedGrad):
         return InstantiatedGrad(mask(grad.value))

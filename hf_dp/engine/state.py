@@ -67,6 +67,8 @@ class Pass:
     support_example: int = 0
     support_failures: list[str] = field(default_factory=list)
     norm_sq: Tensor | None = None  # [G, B] squared per-example norms of each clipping group (in backward units)
+    norm_parts: dict = field(default_factory=dict)  # group -> [B] terms of its norm not yet added to norm_sq
+    norm_dense: dict = field(default_factory=dict)  # group -> instantiated gradients whose norms are not yet added
     use_counts: dict[nn.Parameter, int] = field(default_factory=dict)
     pieces: dict[nn.Parameter, list[PerExampleGrad]] = field(default_factory=dict)  # book-kept, not yet clipped
     pending: list[int] = field(default_factory=list)  # per group: uses whose output gradient has not arrived

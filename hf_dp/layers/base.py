@@ -146,7 +146,7 @@ class LayerRule:
 
 def flatten_sequence(x: Tensor) -> Tensor:
     """``[B, ..., n] -> [B, T, n]`` with ``T`` the product of the middle dimensions (1 for ``[B, n]``)."""
-    return x.reshape(x.shape[0], -1, x.shape[-1])
+    return x if x.dim() == 3 else x.reshape(x.shape[0], -1, x.shape[-1])
 
 
 def sum_positions(x: Tensor, feature_dims: int) -> Tensor:

@@ -18,6 +18,7 @@ Rules and the engine both read this module (it imports nothing from either).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,9 +42,15 @@ __all__ = [
 ]
 
 
+@functools.cache
+def promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """``torch.promote_types(a, b)``, cached on the host (the call dispatches an op each time)."""
+    return torch.promote_types(a, b)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype for norms and coefficients: at least float32; float64 stays float64."""
-    return torch.promote_types(dtype, torch.float32)
+    return promote(dtype, torch.float32)
 
 
 @dataclass
@@ -151,17 +158,19 @@ def instantiate(grad: PerExampleGrad, dtype: torch.dtype) -> InstantiatedGrad:
     return InstantiatedGrad(dense.reshape(dense.shape[0], *grad.shape))
 
 
-def norm_sq(grad: PerExampleGrad, dtype: torch.dtype) -> Tensor:
-    """``[B]`` squared Frobenius norms, in ``dtype`` (clamped at 0: the ghost products can round below it)."""
+def norm_sq(grad: PerExampleGrad, dtype: torch.dtype, *, clamp: bool = True) -> Tensor:
+    """``[B]`` squared Frobenius norms, in ``dtype`` (clamped at 0: the ghost products can round below it; with
+    ``clamp=False`` the caller clamps a sum of them once)."""
     if isinstance(grad, InstantiatedGrad):
         v = grad.value.to(dtype)
-        return v.reshape(v.shape[0], -1).pow(2).sum(1)
+        return (v if v.dim() == 2 else v.reshape(v.shape[0], -1)).pow(2).sum(1)
     ids, dense = _one_hot_side(grad)
     if ids is not None and ids.distinct:  # one-hot Gram = diag(valid): ||G_i||^2 = sum_t valid_t |R_t|^2
         valid = (ids.index >= 0).to(dtype)
         return (dense.to(dtype).pow(2).sum(-1) * valid).sum(1)
     prod = _gram(grad.left, grad.left, dtype) * _gram(grad.right, grad.right, dtype)
-    return prod.sum((1, 2)).clamp_min(0)
+    total = prod.sum((1, 2))
+    return total.clamp_min(0) if clamp else total
 
 
 def _one_hot_side(grad: FactoredGrad) -> tuple[IndexFactor | None, Tensor | None]:
@@ -192,7 +201,7 @@ def merge_repeated_ids(grad: PerExampleGrad) -> PerExampleGrad:
     start = torch.ones_like(sorted_ids, dtype=torch.bool)
     start[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
     segment = start.long().cumsum(1) - 1
-    wide = torch.promote_types(rows.dtype, torch.float64) if rows.device.type != "mps" else rows.dtype
+    wide = promote(rows.dtype, torch.float64) if rows.device.type != "mps" else rows.dtype
     merged = torch.zeros(rows.shape, dtype=wide, device=rows.device)
     merged.scatter_add_(1, segment.unsqueeze(-1).expand_as(rows), rows.to(wide))
     # every position of a segment has the segment's id (-1 padding ids sort first and stay a no-contribution row)
@@ -213,10 +222,15 @@ def inner(a: PerExampleGrad, b: PerExampleGrad, dtype: torch.dtype) -> Tensor:
     return (va.reshape(va.shape[0], -1) * vb.reshape(vb.shape[0], -1)).sum(1)
 
 
-def _scale(f: Factor, coef: Tensor, keep: Tensor | None) -> Factor:
+def _scale(f: Factor, coef: Tensor, keep: Tensor | None, views: dict | None = None) -> Factor:
     if isinstance(f, IndexFactor):
         return f
-    return _mask(f * coef.to(f.dtype).view(-1, 1, 1), keep)
+    shaped = None if views is None else views.get(f.dtype)
+    if shaped is None:
+        shaped = coef.to(f.dtype).view(-1, 1, 1)
+        if views is not None:
+            views[f.dtype] = shaped
+    return _mask(f * shaped, keep)
 
 
 def _mask(f: Factor, keep: Tensor | None) -> Factor:
@@ -227,19 +241,24 @@ def _mask(f: Factor, keep: Tensor | None) -> Factor:
     return torch.where(keep.view(shape), f, torch.zeros((), dtype=f.dtype, device=f.device))
 
 
-def weighted_sum(grad: PerExampleGrad, coef: Tensor, dtype: torch.dtype, keep: Tensor | None = None) -> Tensor:
+def weighted_sum(
+    grad: PerExampleGrad, coef: Tensor, dtype: torch.dtype, keep: Tensor | None = None, *, views: dict | None = None
+) -> Tensor:
     """``sum_i coef_i G_i`` with the parameter's shape (book-keeping: one matmul over ``B*T`` rows).
 
     ``keep`` (``[B]`` bool, optional) marks the examples to include; pass it when some gradients are not finite.
+    ``views`` (optional, one dict per ``coef``) caches ``coef`` cast and shaped per factor dtype.
     """
     if isinstance(grad, InstantiatedGrad):
         v = _mask(grad.value.to(dtype), keep)
-        return torch.tensordot(coef.to(dtype), v, dims=1)
+        if v.dim() == 2:
+            return torch.mv(v.t(), coef.to(dtype))
+        return torch.mv(v.reshape(v.shape[0], -1).t(), coef.to(dtype)).view(v.shape[1:])
     left, right = _mask(grad.left, keep), grad.right
     if isinstance(left, IndexFactor) or not isinstance(right, IndexFactor):
-        right = _scale(right, coef, keep)
+        right = _scale(right, coef, keep, views)
     else:
-        left = _scale(left, coef, keep)
+        left = _scale(left, coef, keep, views)
     if isinstance(left, IndexFactor):
         flat_right = right.to(dtype).reshape(-1, right.shape[-1])
         idx = left.index.reshape(-1)
@@ -256,7 +275,7 @@ def weighted_sum(grad: PerExampleGrad, coef: Tensor, dtype: torch.dtype, keep: T
         return out.t().reshape(grad.shape)
     flat_left = left.reshape(-1, left.shape[-1])
     flat_right = right.reshape(-1, right.shape[-1])
-    common = torch.promote_types(flat_left.dtype, flat_right.dtype)
+    common = promote(flat_left.dtype, flat_right.dtype)
     return (flat_left.to(common).t() @ flat_right.to(common)).to(dtype).reshape(grad.shape)
 
 
@@ -315,7 +334,7 @@ def _cat(factors: list[Factor]) -> Factor:
         return IndexFactor(torch.cat([f.index for f in factors], 1), factors[0].size)
     dtype = factors[0].dtype
     for f in factors[1:]:
-        dtype = torch.promote_types(dtype, f.dtype)
+        dtype = promote(dtype, f.dtype)
     return torch.cat([f.to(dtype) for f in factors], 1)
 
 

@@ -306,9 +306,9 @@ class CallCapture:
         return positions, tensors, tree_unflatten(leaves, spec) if positions else None
 
     def _closed_form_inputs(self, entry: HookedModule, module, args, kwargs, output) -> Captured:
-        captured = entry.rule.capture(module, args, kwargs, output)
-        captured.args = tuple(x.detach() if isinstance(x, Tensor) else x for x in captured.args)
-        return captured
+        # kept as they are (no `detach()`: one op per input per call): rules read them under `no_grad`, and the graph
+        # they belong to lives until the backward pass that book-keeps them anyway
+        return entry.rule.capture(module, args, kwargs, output)
 
     def _fallback_inputs(self, args, kwargs, layout: CallLayout, random: list) -> Captured:
         in_leaves, in_spec = tree_flatten((tuple(args), dict(kwargs)))

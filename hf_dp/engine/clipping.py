@@ -14,6 +14,8 @@ exactly, :func:`~hf_dp.layers.grads.merge`, the rest through the cross terms ``2
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -30,6 +32,10 @@ from ..layers.grads import (
 from .state import Pass, grad_stamp
 
 __all__ = ["GroupClipping"]
+
+#: Instantiated gradients of at most this many entries per example are normed and summed side by side (one op for
+#: all of a group's biases and norm weights; larger ones on their own, so that nothing large is copied).
+SIDE_BY_SIDE = 1 << 16
 
 
 class GroupClipping:
@@ -50,11 +56,12 @@ class GroupClipping:
         """Take the book-kept pieces of group ``g`` out of the pass, adding the norms of shared parameters."""
         parts = p.norm_parts.pop(g, [])
         dense = p.norm_dense.pop(g, None)
-        if dense:  # every instantiated gradient of the group side by side: one square-sum
+        if dense:  # the group's small instantiated gradients side by side: one square-sum (large ones: their own)
             flat = [v if v.dim() == 2 else v.reshape(v.shape[0], -1) for v in dense]
-            side = flat[0] if len(flat) == 1 else torch.cat(flat, 1)
-            parts.append(side.to(self._norm_dtype).pow(2).sum(1))
-            del flat, side
+            small = [v for v in flat if v.shape[1] <= SIDE_BY_SIDE]
+            for v in [v for v in flat if v.shape[1] > SIDE_BY_SIDE] + ([torch.cat(small, 1)] if small else []):
+                parts.append(v.to(self._norm_dtype).pow(2).sum(1))
+            del flat, small
         if parts:  # the group's single-use terms, unclamped: one sum, clamped once (ghost products round below 0)
             p.norm_sq[g].add_(parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)).clamp_min_(0)
         pieces = {}
@@ -79,18 +86,40 @@ class GroupClipping:
             zeros: dict = {}  # per dtype: a zero; per number of dimensions: `keep` shaped for it
             views: dict = {}  # per dtype: the coefficients cast and shaped for a factor
             p.coef[g] = coef
+            sums = self._small_sums(pieces, coef, keep)
             for q in self._groups.params[g]:
                 parts = pieces.pop(q, None)
-                total = None
+                total = sums.pop(q, None)
                 # the dtype of the parameter the optimizer steps on (FSDP2 may compute in a lower one)
                 dtype = self._registered.get(q, q).dtype
-                if parts:
+                if parts and total is None:
                     total = weighted_sum(_masked(parts[0], keep, zeros), coef, dtype, views=views)
                     for part in parts[1:]:
                         total += weighted_sum(_masked(part, keep, zeros), coef, dtype, views=views)
                     del parts
                 self._deliver(p, q, total)
         p.done[g] = True
+
+    def _small_sums(self, pieces: dict, coef: Tensor, keep: Tensor) -> dict[nn.Parameter, Tensor]:
+        """The clipped sums of the group's small instantiated gradients (biases, norm weights), side by side per
+        dtype: one mask and one matrix-vector product for all of them (taken out of ``pieces``)."""
+        by_dtype: dict[torch.dtype, list] = {}
+        for q, parts in pieces.items():
+            if len(parts) == 1 and isinstance(parts[0], InstantiatedGrad):
+                v = parts[0].value
+                if v.dim() >= 2 and math.prod(v.shape[1:]) <= SIDE_BY_SIDE:
+                    by_dtype.setdefault(self._registered.get(q, q).dtype, []).append((q, v))
+        sums = {}
+        for dtype, entries in by_dtype.items():
+            if len(entries) < 2:
+                continue
+            flat = torch.cat([v if v.dim() == 2 else v.reshape(v.shape[0], -1) for _, v in entries], 1).to(dtype)
+            flat = torch.where(keep.view(-1, 1), flat, torch.zeros((), dtype=dtype, device=flat.device))
+            total = torch.mv(flat.t(), coef.to(dtype))
+            for (q, v), part in zip(entries, total.split([math.prod(v.shape[1:]) for _, v in entries]), strict=True):
+                sums[q] = part if v.dim() == 2 else part.view(v.shape[1:])
+                del pieces[q]
+        return sums
 
     def _deliver(self, p: Pass, q: nn.Parameter, total: Tensor | None) -> None:
         """``grad_sink(q, total)`` (zeros for a parameter no use reached), else ``q.grad += total``."""

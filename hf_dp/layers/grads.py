@@ -276,7 +276,8 @@ def weighted_sum(
     flat_left = left.reshape(-1, left.shape[-1])
     flat_right = right.reshape(-1, right.shape[-1])
     common = promote(flat_left.dtype, flat_right.dtype)
-    return (flat_left.to(common).t() @ flat_right.to(common)).to(dtype).reshape(grad.shape)
+    out = (flat_left.to(common).t() @ flat_right.to(common)).to(dtype)
+    return out if out.shape == grad.shape else out.reshape(grad.shape)
 
 
 def _fold_factor(f: Factor, batch_size: int) -> Factor:

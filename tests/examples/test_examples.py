@@ -318,11 +318,16 @@ def test_examples_parse_help():
         assert exit_info.value.code == 0
 
 
-@pytest.mark.parametrize("variant", [[], ["--use_peft", "--lora_r", "2", "--lora_target_modules", "c_attn", "c_fc"]])
-def test_sft_trl_script_offline(tmp_path, variant):
-    """examples/sft.py (TRL's sft.py with the three-name change) on a tiny GPT-2 and word-level tokenizer saved to
-    disk, a local jsonl of conversations, gradient checkpointing on (TRL's default)."""
-    pytest.importorskip("trl")
+#: LoRA on the tiny GPT-2's attention and MLP input projections (TRL's flags).
+PEFT = ["--use_peft", "--lora_r", "2", "--lora_target_modules", "c_attn", "c_fc"]
+#: TRL's flags of the TRL-script examples, on CPU in float32, saving only at the end.
+TRL_RUN = ["--per_sample_max_grad_norm", "1.0", "--bf16", "false", "--report_to", "none", "--save_strategy", "no"]
+TRL_RUN += ["--max_length", "16", *TINY]
+TRL_TINY = ["--noise_multiplier", "1.0", *TRL_RUN]
+
+
+def _tiny_chat_lm(model_dir: Path) -> Path:
+    """A tiny GPT-2 and a word-level tokenizer (with a chat template) saved to ``model_dir``, for TRL's scripts."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
@@ -334,46 +339,89 @@ def test_sft_trl_script_offline(tmp_path, variant):
         "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} <eos> {% endfor %}"
         "{% if add_generation_prompt %}assistant : {% endif %}"
     )
-    model_dir = tmp_path / "tiny-gpt2"
     GPT2LMHeadModel(GPT2Config(vocab_size=len(words), n_positions=32, n_embd=16, n_layer=1, n_head=2)).save_pretrained(
         model_dir
     )
     tokenizer.save_pretrained(model_dir)
+    return model_dir
+
+
+def _jsonl(path: Path, rows) -> Path:
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("variant", [[], PEFT])
+def test_sft_trl_script_offline(tmp_path, variant):
+    """examples/sft.py (TRL's sft.py with the three-name change) on a tiny GPT-2 and word-level tokenizer saved to
+    disk, a local jsonl of conversations, gradient checkpointing on (TRL's default)."""
+    pytest.importorskip("trl")
+    model_dir = _tiny_chat_lm(tmp_path / "tiny-gpt2")
     rows = [
         {"messages": [{"role": "user", "content": "a b c"[: 1 + 2 * (i % 3)]}, {"role": "assistant", "content": "d e"}]}
         for i in range(32)
     ]
-    train_file = tmp_path / "train.jsonl"
-    train_file.write_text("\n".join(json.dumps(r) for r in rows))
+    train_file = _jsonl(tmp_path / "train.jsonl", rows)
     out = tmp_path / "out"
-    report = load("sft").main(
-        [
-            "--model_name_or_path",
-            str(model_dir),
-            "--train_file",
-            str(train_file),
-            "--output_dir",
-            str(out),
-            "--noise_multiplier",
-            "1.0",
-            "--per_sample_max_grad_norm",
-            "1.0",
-            "--bf16",
-            "false",
-            "--report_to",
-            "none",
-            "--save_strategy",
-            "no",
-            "--max_length",
-            "16",
-            *TINY,
-            *variant,
-        ]
-    )
+    cli = ["--model_name_or_path", str(model_dir), "--train_file", str(train_file), "--output_dir", str(out)]
+    report = load("sft").main([*cli, *TRL_TINY, *variant])
     assert report["privacy"]["steps_taken"] == 2 and report["privacy"]["noise_multiplier"] == 1.0
     assert "## Differential privacy" in (out / "README.md").read_text()
     saved = {p.name for p in out.iterdir()}
     assert ("adapter_config.json" in saved) == bool(variant)
+
+
+def _preference_rows(conversational: bool, n: int = 40) -> list[dict]:
+    """Synthetic preference pairs over the tiny tokenizer's words: standard strings, or conversational turns."""
+    prompts, chosen, rejected = ["a b", "c", "d e f", "g"], ["a", "b c", "d"], ["h g", "f", "e d c"]
+    rows = []
+    for i in range(n):
+        p, c, r = prompts[i % 4], chosen[i % 3], rejected[(i + 1) % 3]
+        if conversational:
+            rows.append(
+                {
+                    "prompt": [{"role": "user", "content": p}],
+                    "chosen": [{"role": "assistant", "content": c}],
+                    "rejected": [{"role": "assistant", "content": r}],
+                }
+            )
+        else:
+            rows.append({"prompt": p + " ", "chosen": c + " <eos>", "rejected": r + " <eos>"})
+    return rows
+
+
+@pytest.mark.parametrize("peft", [[], PEFT], ids=["full", "peft"])
+@pytest.mark.parametrize("conversational", [False, True], ids=["standard", "conversational"])
+def test_dpo_trl_script_offline(tmp_path, conversational, peft):
+    """examples/dpo.py (TRL's dpo.py with the three-name change) on the tiny GPT-2 saved to disk and a local jsonl of
+    preference pairs (standard or conversational), gradient checkpointing on, with and without LoRA."""
+    pytest.importorskip("trl")
+    model_dir = _tiny_chat_lm(tmp_path / "tiny-gpt2")
+    train_file = _jsonl(tmp_path / "pairs.jsonl", _preference_rows(conversational))
+    out = tmp_path / "out"
+    cli = ["--model_name_or_path", str(model_dir), "--train_file", str(train_file), "--output_dir", str(out)]
+    cli += ["--max_train_samples", "32", "--gradient_checkpointing", "true", "--beta", "0.5"]
+    report = load("dpo").main([*cli, *TRL_TINY, *peft])
+    privacy = report["privacy"]
+    assert report["task"] == "dpo" and privacy["steps_taken"] == 2 and privacy["num_examples"] == 32
+    assert privacy["noise_multiplier"] == 1.0 and 0 < privacy["epsilon"] < float("inf")
+    assert json.loads((out / "dp_report.json").read_text())["privacy"]["steps_taken"] == 2
+    card = (out / "README.md").read_text()
+    assert "## Differential privacy" in card and "one preference pair" in card
+    saved = {p.name for p in out.iterdir()}
+    assert ("adapter_config.json" in saved) == bool(peft)
+
+
+def test_dpo_trl_script_target_epsilon_and_refusal(tmp_path):
+    """--target_epsilon calibrates the noise for the run; a batch-coupled TRL loss is refused with what to set."""
+    pytest.importorskip("trl")
+    model_dir = _tiny_chat_lm(tmp_path / "tiny-gpt2")
+    train_file = _jsonl(tmp_path / "pairs.jsonl", _preference_rows(False, n=32))
+    cli = ["--model_name_or_path", str(model_dir), "--train_file", str(train_file), "--output_dir", str(tmp_path)]
+    report = load("dpo").main([*cli, *TRL_RUN, "--target_epsilon", "8"])
+    assert report["privacy"]["steps_taken"] == 2 and 0 < report["privacy"]["epsilon"] <= 8.0
+    with pytest.raises(ValueError, match="loss_type='sigmoid'"):
+        load("dpo").main([*cli, *TRL_TINY, "--loss_type", "aot"])
 
 
 # ---------------------------------------------------------------- user-level DP (--privacy_unit user)
@@ -587,3 +635,13 @@ def test_table_to_text_dart_users():
     assert "[TABLECONTEXT]" not in names[:50] and len(set(names)) < len(
         set(example.example_users(examples, "table", ""))
     )
+
+
+def test_trl_examples_parse_help(capsys):
+    pytest.importorskip("trl")
+    for name in ["sft", "dpo"]:
+        with pytest.raises(SystemExit) as exit_info:
+            load(name).main(["--help"])
+        assert exit_info.value.code == 0
+        printed = capsys.readouterr().out
+        assert "--train_file" in printed and "--target_epsilon" in printed and "--use_peft" in printed

@@ -21,7 +21,8 @@ prints its error and the run goes on; what a spent budget leaves out is printed 
   1.6 refuses tied parameters there, so it runs with an untied ``lm_head`` and says so with ``tied=False``). Median
   step time of ``--repeats`` steps after ``--warmup`` steps (the first step, which for hf_dp also proves its plan,
   is reported apart), tokens/s, and peak memory of the steady steps (``torch.cuda.max_memory_allocated``, reset
-  after the warm-up; ``peak_first_mb`` includes the warm-up).
+  after the warm-up; ``peak_first_mb`` includes the warm-up); ``ops`` and ``syncs``: the aten ops and host syncs of
+  one more steady step, counted on the device (to confirm the CPU counts of ``benchmarks/overhead.py``).
 - ``precision``: ``DPTrainer`` for ``--precision-steps`` steps at ``noise_multiplier=0`` (SGD, lr 1, C = 1, the
   same seed, Poisson batches and random token ids) in fp32 and in fp16 / bf16 (autocast); the relative difference of
   the parameter update ``||d_amp - d_fp32|| / ||d_fp32||`` (all parameters, and the worst tensor), and for fp16 the
@@ -294,6 +295,27 @@ def device_info(args) -> dict:
     return {"gpu": None}
 
 
+def count_step(step: Callable[[], None]) -> tuple[int, int]:
+    """Aten ops and host syncs of one call of ``step`` (a ``TorchDispatchMode``; counts, not time)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sync = torch.ops.aten._local_scalar_dense.default
+
+    class Counter(TorchDispatchMode):
+        ops = syncs = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            self.syncs += func is sync
+            return func(*args, **(kwargs or {}))
+
+    counter = Counter()
+    with counter:
+        step()
+    return counter.ops, counter.syncs
+
+
 def job_speed(args, send, *, model: str, variant: str) -> dict:
     import torch
 
@@ -337,9 +359,12 @@ def job_speed(args, send, *, model: str, variant: str) -> dict:
         memory.sync()
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
+    ops, syncs = count_step(step)
     out = {
         "status": "ok",
         "step_ms": median * 1000,
+        "ops": ops,  # aten ops of one steady step (the CPU proxy of benchmarks/overhead.py, here on the device)
+        "syncs": syncs,  # host syncs (aten._local_scalar_dense) of that step
         "min_step_ms": min(times) * 1000,
         "tokens_per_s": args.batch * args.seq / median,
         "first_step_ms": first_s * 1000,

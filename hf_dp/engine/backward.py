@@ -153,9 +153,9 @@ class BackwardBookkeeping:
         for g, lay in zip(grads, layouts, strict=False):
             if g is None or lay is None:
                 continue
-            if foreign_rows(g, lay, p.size, p.support_example):
-                p.support_failures.append(use.entry.name)
-                return
+            # a device flag, read with all the others after the check's backward passes (one host read, not one
+            # per hooked output)
+            p.support_flags.append((use.entry.name, foreign_rows(g, lay, p.size, p.support_example)))
 
     def _support_check(self, loss: Tensor) -> None:
         """Loss ``j`` must depend on example ``j``'s rows alone in every hooked output (checked for the first and
@@ -182,6 +182,11 @@ class BackwardBookkeeping:
             for origin in self._origins.values():
                 origin.grad = None
         self._refuse_autograd_writes(stamps, set())
+        if p.support_flags:
+            names = [name for name, _ in p.support_flags]
+            flags = torch.stack([flag.to(p.support_flags[0][1].device) for _, flag in p.support_flags]).tolist()
+            p.support_failures += [name for name, bad in zip(names, flags, strict=True) if bad]
+            p.support_flags = []
         if p.support_failures:
             modules = sorted(set(p.support_failures))
             raise UnsupportedModuleError(

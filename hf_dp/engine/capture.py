@@ -41,6 +41,12 @@ from .state import Use
 __all__ = ["CallCapture", "Region", "storage_root"]
 
 
+def _top_mode():
+    """The innermost torch function mode in effect on this thread (``None`` without one)."""
+    n = torch._C._len_torch_function_stack()
+    return torch._C._get_function_stack_at(n - 1) if n > 0 else None
+
+
 def storage_root(t: Tensor) -> tuple[Tensor, torch.Size | None]:
     """The tensor whose hook sees ``t``'s gradient even after an in-place write on ``t`` or on a view of it, and the
     shape to view that gradient as (``None``: ``t`` itself). A hook on a view is dropped from the graph when the view
@@ -119,6 +125,22 @@ class CallCapture:
             if frame is not None:
                 self._region(frame).records.append((entry, None))
             return None
+        # On the verified forward pass the use recorder sees every torch function called; the book-keeping below is
+        # the engine's own and uses no trainable parameter (it reads the call's inputs and outputs), so it runs with
+        # the recorder set aside (taken off the mode stack when it is on top, i.e. no mode of the model's is inside
+        # it, and put back after), instead of passing each of its torch calls through it.
+        mode = self._verification.mode if self._verification is not None else None
+        if mode is None or _top_mode() is not mode:
+            return self._book_keep(entry, module, args, kwargs, output, params, frame, reentrant, random)
+        torch._C._pop_torch_function_stack()
+        try:
+            return self._book_keep(entry, module, args, kwargs, output, params, frame, reentrant, random)
+        finally:
+            torch._C._push_on_torch_function_stack(mode)
+
+    def _book_keep(self, entry: HookedModule, module, args, kwargs, output, params, frame, reentrant, random):
+        """Book-keep one call of a hooked module in the forward pass (its layout, its inputs, its output hook)."""
+        p = self._pass
         ordinal = p.ordinal.get(id(module), 0)
         out_leaves = flatten_output(output)
         in_leaves = flatten_call(args, kwargs) if entry.is_fallback else None

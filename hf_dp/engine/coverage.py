@@ -16,6 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 from ..layers import FALLBACK_RULE, LayerRule, NeedsFallback, RuleMatch, UnsupportedModuleError, match_rule
+from ..layers.base import own_named_parameters
 from ..layers.prefix import check_prefix_encoder
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ _CONTAINERS = (nn.ParameterDict, nn.ParameterList)
 def _own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The module's own parameters, and those of the parameter containers it holds (peft keeps LoRA embedding
     factors in ``ParameterDict`` children, which are never called: the holder is the one that uses them)."""
-    own = list(module.named_parameters(recurse=False))
+    own = own_named_parameters(module)
     for child_name, child in module.named_children():
         if isinstance(child, _CONTAINERS):
             own += [(f"{child_name}.{n}", p) for n, p in child.named_parameters()]

@@ -144,8 +144,10 @@ class ForwardHooks:
             self._check_checkpointing()
         batch = root_batch(self.model, args, kwargs)
         self._root_call = (args, kwargs, batch)  # for proving layouts of a path first taken in this pass
+        names = None  # module and parameter names, for messages (read once for the plan and its verification)
         if batch.size > 0 and self._plan is None:
-            self._install(self._make_plan(args, kwargs, batch))
+            names = self._names()
+            self._install(self._make_plan(args, kwargs, batch, names=names))
             self._pass = None
         ghost_diff = self._ghost_differentiation()
         p = self._pass
@@ -162,7 +164,7 @@ class ForwardHooks:
             self._pass = Pass(batch, ghost_diff=ghost_diff)
         self._pass.counts, self._pass.ordinal, self._pass.complete = {}, {}, False
         if self._plan is not None and self._verified != self.model.training and batch.size > 0:
-            names, param_names = self._names()
+            names, param_names = names if names is not None else self._names()
             self._verification = Verification(self.model, self._plan.hooked, list(self._trainable), names, param_names)
             self._verification.start()
             if REENTRANT_SUPPORTED and self._verification.mode is not None:

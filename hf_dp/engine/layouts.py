@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -118,28 +119,139 @@ class Layouts:
     calls of other modules (activations, an MoE's per-expert gathers) may differ with the data, get no layout
     (``MIXED``), and are never hooked. ``partner[i]``: the index in ``two`` of call ``i`` of ``one`` (``None`` for an
     unmatched call).
+
+    ``inputs[i]`` and ``outputs[i]`` (the layouts of call ``i``'s input and output leaves) are worked out when first
+    read: the plan reads those of the calls it may hook or cover. ``three`` may be a function that makes the third
+    run: it is called when the first leaf that needs it is read (a plan that reads no such leaf needs no third run).
     """
 
     def __init__(
-        self, one: ProbeRun, two: ProbeRun, three: ProbeRun | None = None, names: dict[int, str] | None = None
+        self,
+        one: ProbeRun,
+        two: ProbeRun,
+        three: ProbeRun | Callable[[], ProbeRun | None] | None = None,
+        names: dict[int, str] | None = None,
     ) -> None:
         relevant = _relevance(one)
         sig_one, sig_two = _signature(one, relevant), _signature(two, relevant)
         if [key for key, _ in sig_one] != [key for key, _ in sig_two]:
             raise UnsupportedModuleError(_control_flow_message(sig_one, sig_two, one, two, names or {}))
-        if three is not None and [k for k, _ in _signature(three, relevant)] != [k for k, _ in sig_two]:
-            three = None
-        sig_three = _signature(three, relevant) if three is not None else None
+        self.one, self.two = one, two
+        self._relevant = relevant
+        self._keys_two = [key for key, _ in sig_two]
+        self._make_three = three if callable(three) else None
+        self._three: list | None = None  # the third run's calls, matched to the relevant calls of `two`
+        if not callable(three):
+            self._set_three(three)
         self.partner: list[int | None] = [None] * len(one.calls)
-        self.inputs: list[list] = [[MIXED] * max(len(c.in_leaves), 1) for c in one.calls]
-        self.outputs: list[list] = [[MIXED] * max(len(c.out_leaves), 1) for c in one.calls]
-        self.fallback_memo: dict[int, CallLayout | None] = {}
+        self._order: dict[int, int] = {}  # call of `one` -> its position among the matched calls
         for k, ((_, i), (_, j)) in enumerate(zip(sig_one, sig_two, strict=True)):
-            c1, c2 = one.calls[i], two.calls[j]
-            c3 = three.calls[sig_three[k][1]] if sig_three is not None else None
             self.partner[i] = j
-            self.inputs[i] = _pairwise(c1.in_leaves, c2.in_leaves, c3.in_leaves if c3 else None)
-            self.outputs[i] = _pairwise(c1.out_leaves, c2.out_leaves, c3.out_leaves if c3 else None)
+            self._order[i] = k
+        self._pairs: dict[tuple[int, int, int], Any] = {}  # (call, 0 inputs / 1 outputs, leaf) -> from `one`, `two`
+        self._inferred: dict[tuple, Any] = {}  # (id, id, sizes) of two leaves -> their layout
+        self._lists: dict[int, tuple[list, list]] = {}
+        self.inputs = _Column(self, 0)
+        self.outputs = _Column(self, 1)
+        self.fallback_memo: dict[int, CallLayout | None] = {}
+
+    def _set_three(self, three: ProbeRun | None) -> None:
+        if three is not None and [k for k, _ in _signature(three, self._relevant)] != self._keys_two:
+            three = None
+        self._three = None if three is None else [three.calls[j] for _, j in _signature(three, self._relevant)]
+
+    def _third(self, i: int) -> CallRecord | None:
+        """Call ``i``'s partner in the third run (made now if it was not), or ``None`` without a usable one."""
+        if self._make_three is not None:
+            make, self._make_three = self._make_three, None
+            self._set_three(make())
+        return None if self._three is None else self._three[self._order[i]]
+
+    def _leaves(self, i: int, side: int) -> tuple[list, list]:
+        c1, c2 = self.one.calls[i], self.two.calls[self.partner[i]]
+        return (c1.in_leaves, c2.in_leaves) if side == 0 else (c1.out_leaves, c2.out_leaves)
+
+    def _pair(self, i: int, side: int, j: int, a, b):
+        """The layout leaf ``j`` proves in the runs on one and two examples."""
+        key = (i, side, j)
+        if key not in self._pairs:
+            self._pairs[key] = self._infer(a, b)
+        return self._pairs[key]
+
+    def _infer(self, a, b, sizes: tuple[int, int] = (1, 2)):
+        """:func:`infer_layout` of two leaves, once per pair of objects: a tensor one call returns is often what
+        the next calls take (the runs keep every leaf alive, so the same pair of objects is the same question)."""
+        key = (id(a), id(b), sizes)
+        if key not in self._inferred:
+            self._inferred[key] = infer_layout(a, b, sizes)
+        return self._inferred[key]
+
+    def lists(self, i: int) -> tuple[list, list]:
+        """``(inputs, outputs)`` of call ``i``."""
+        if i not in self._lists:
+            if self.partner[i] is None:
+                c = self.one.calls[i]
+                self._lists[i] = ([MIXED] * max(len(c.in_leaves), 1), [MIXED] * max(len(c.out_leaves), 1))
+            else:
+                self._lists[i] = (self._pairwise(i, 0), self._pairwise(i, 1))
+        return self._lists[i]
+
+    def _pairwise(self, i: int, side: int) -> list:
+        one, two = self._leaves(i, side)
+        if len(one) != len(two):
+            return [MIXED] * max(len(one), len(two), 1)
+        out = []
+        for j, (a, b) in enumerate(zip(one, two, strict=True)):
+            layout = self._pair(i, side, j, a, b)
+            if layout is MIXED and isinstance(a, Tensor) != isinstance(b, Tensor):
+                c3 = self._third(i)
+                three = None if c3 is None else (c3.in_leaves if side == 0 else c3.out_leaves)
+                if three is not None and len(three) == len(two):
+                    layout = self._infer(b, three[j], sizes=(2, 3))
+            out.append(layout)
+        return out
+
+    def batched_rows(self) -> set[int]:
+        """The rows per example (``> 1``) of every leaf of run one paired with a layout batched along dimension 0:
+        each call's leaves zipped with its ``inputs + outputs``. Where both runs have the same number of leaves, only
+        the leaves that are tensors with more than one row in run one are compared, and their layouts are read
+        without the third run: a leaf's layout comes from the third run only when the leaf is a tensor in one of the
+        first two runs and not in the other, so for a tensor of run one it is the layout of a non-tensor of run two
+        against run three, never a batched one."""
+        rows: set[int] = set()
+        for call in self.one.calls:
+            i = call.index
+            if self.partner[i] is None:
+                continue  # every layout MIXED
+            leaves = call.in_leaves + call.out_leaves
+            sides = [self._leaves(i, 0), self._leaves(i, 1)]
+            if any(len(a) != len(b) for a, b in sides):  # lists of MIXED of another length: zip them as they are
+                ins, outs = self.lists(i)
+                pairs = zip(leaves, ins + outs, strict=False)
+            else:
+                n_in = len(sides[0][0])
+                pairs = (
+                    (leaf, self._pair(i, 0, p, leaf, sides[0][1][p]))
+                    if p < n_in
+                    else (leaf, self._pair(i, 1, p - n_in, leaf, sides[1][1][p - n_in]))
+                    for p, leaf in enumerate(leaves)
+                    if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] > 1
+                )
+            for leaf, layout in pairs:
+                batched = isinstance(layout, Layout) and layout.dim == 0 and not layout.broadcast
+                if batched and isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] > 1:
+                    rows.add(leaf.shape[0])
+        return rows
+
+
+class _Column:
+    """``inputs`` or ``outputs`` of :class:`Layouts`, indexed by call."""
+
+    def __init__(self, layouts: Layouts, side: int) -> None:
+        self.layouts, self.side = layouts, side
+
+    def __getitem__(self, i: int) -> list:
+        return self.layouts.lists(i)[self.side]
 
 
 def _relevance(run: ProbeRun) -> Callable[[nn.Module], bool]:
@@ -147,13 +259,45 @@ def _relevance(run: ProbeRun) -> Callable[[nn.Module], bool]:
     traced = set(run.traced) | {id(p) for p in run.uses}
     memo: dict[int, bool] = {}
 
+    def holds(module: nn.Module, open_: set[int]) -> bool | None:
+        """``any(id(p) in traced for p in module.parameters())`` from the module's own parameters and its children's
+        answers (``None``: a class that overrides how its parameters or submodules are listed, or a cycle)."""
+        key = id(module)
+        if key in memo:
+            return memo[key]
+        kind = type(module)
+        if key in open_ or any(getattr(kind, n) is not getattr(nn.Module, n) for n in _LISTING):
+            return None
+        if any(p is not None and id(p) in traced for p in module._parameters.values()):
+            memo[key] = True
+            return True
+        open_.add(key)
+        found = False
+        for child in module._modules.values():
+            if child is None:
+                continue
+            answer = holds(child, open_)
+            if answer is None:
+                return None
+            if answer:
+                found = True
+                break
+        open_.discard(key)
+        memo[key] = found
+        return found
+
     def relevant(module: nn.Module) -> bool:
         key = id(module)
         if key not in memo:
-            memo[key] = any(id(p) in traced for p in module.parameters())
+            answer = holds(module, set())
+            memo[key] = any(id(p) in traced for p in module.parameters()) if answer is None else answer
         return memo[key]
 
     return relevant
+
+
+#: The ``nn.Module`` methods through which ``module.parameters()`` lists a subtree's parameters.
+_LISTING = ("parameters", "named_parameters", "_named_members", "named_modules", "modules")
 
 
 def _signature(run: ProbeRun, relevant: Callable[[nn.Module], bool]) -> list[tuple[tuple[int, int], int]]:
@@ -186,23 +330,6 @@ def needs_third_run(one: ProbeRun, two: ProbeRun) -> bool:
             if isinstance(x, Tensor) != isinstance(y, Tensor):
                 return True
     return False
-
-
-def _pairwise(one: list, two: list, three: list | None) -> list:
-    if len(one) != len(two):
-        return [MIXED] * max(len(one), len(two), 1)
-    out = []
-    for j, (a, b) in enumerate(zip(one, two, strict=True)):
-        layout = infer_layout(a, b)
-        if (
-            layout is MIXED
-            and three is not None
-            and len(three) == len(two)
-            and isinstance(a, Tensor) != isinstance(b, Tensor)
-        ):
-            layout = infer_layout(b, three[j], sizes=(2, 3))
-        out.append(layout)
-    return out
 
 
 def is_float(x) -> bool:

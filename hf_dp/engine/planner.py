@@ -3,9 +3,11 @@
 Steps (each is exact or raises; see DESIGN §4.12, §4.13):
 
 1. **Layouts.** Every tensor entering or leaving a module call gets a :class:`~hf_dp.layers.Layout` from the runs on
-   one and two examples (:func:`~.probe.infer_layout`), or is shared by every example, or is unprovable.
-2. **Rules.** A rule registered for the module's exact type is checked against autograd on the one-example run; a
-   mismatch raises :class:`~.self_check.SelfCheckError`. A guessed rule (a predicate such as a class name, a
+   one and two examples (:func:`~.probe.infer_layout`), or is shared by every example, or is unprovable (worked out
+   for the calls the plan reads, :class:`~.layouts.Layouts`).
+2. **Rules.** A rule registered for the module's exact type is checked against autograd on the one-example run
+   (once for identical modules of a repeated block, :class:`RuleChecks`); a mismatch raises
+   :class:`~.self_check.SelfCheckError`. A guessed rule (a predicate such as a class name, a
    registered base class) is checked the same way and replaced by the fallback when it disagrees; a subclass whose
    ``forward`` differs from its base's is first tried as the base's output times a measured constant
    (:class:`~hf_dp.layers.ScaledRule`).
@@ -23,6 +25,7 @@ Steps (each is exact or raises; see DESIGN §4.12, §4.13):
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -80,23 +83,116 @@ def rule_disagreement(entry: HookedModule, rule: LayerRule, call: CallRecord, la
     The rule's per-example gradient (and its ghost norm) for a random output gradient must match the vector-Jacobian
     product of the module's own forward with respect to each covered parameter.
     """
+    return _disagreement(entry, rule, call, layout)[0]
+
+
+def _disagreement(
+    entry: HookedModule, rule: LayerRule, call: CallRecord, layout: Layout, noise: dict | None = None
+) -> tuple[str | None, float]:
+    """:func:`rule_disagreement`, and how close the comparison came to its tolerance: the largest of the compared
+    differences over its threshold (above 1 is a mismatch; ``inf`` where the comparison could not be made at once).
+    ``noise``: the random output gradients drawn so far, by shape, dtype and device (the same seed draws the same
+    tensor: drawn once)."""
     module, output = entry.module, call.output
     params = set(entry.params)
-    g = _random_like(output, seed=17)
+    g = _noise_like(output, noise)
     captured = rule.capture(module, call.args, call.kwargs, output)
     with torch.no_grad():
-        grads = closed_form_grads(rule, module, captured, g, layout, 1, params)
+        grads = closed_form_grads(rule, module, captured, g.clone(), layout, 1, params)
     named = {n: p for n, p in module.named_parameters() if p in params}
     with torch.enable_grad(), autocast_like(call.autocast):
         leaves = {n: p.detach().requires_grad_(True) for n, p in named.items()}
-        out = torch.func.functional_call(module, leaves, call.args, call.kwargs)
+        out = _call_with(module, leaves, call.args, call.kwargs)
         if not isinstance(out, Tensor) or out.shape != output.shape:
-            return f"its forward returned {type(out).__name__} when re-run"
-        ref = torch.autograd.grad((out * g).sum(), list(leaves.values()), allow_unused=True)
+            return f"its forward returned {type(out).__name__} when re-run", float("inf")
+        if out.dtype == g.dtype:  # the gradient of `(out * g).sum()` with respect to `out` is `g`, exactly
+            ref = torch.autograd.grad(out, list(leaves.values()), grad_outputs=g, allow_unused=True)
+        else:
+            ref = torch.autograd.grad((out * g).sum(), list(leaves.values()), allow_unused=True)
     ref = {named[n]: (torch.zeros_like(p) if r is None else r) for (n, p), r in zip(leaves.items(), ref, strict=True)}
-    scale = float(sum(r.double().pow(2).sum() for r in ref.values()) ** 0.5) or 1.0
     # under autocast the call computes in a lower precision than its parameters: the lowest one sets the tolerance
     computed = [t.dtype for t in (output, *call.args) if isinstance(t, Tensor) and t.is_floating_point()]
+    try:
+        values = _comparison_norms(named, ref, grads)
+    except Exception:  # noqa: BLE001  (a rule whose gradient cannot be compared: in order below, as it comes)
+        values = None
+    if values is None:
+        return _compare_in_order(named, ref, grads, computed), float("inf")
+    scale = float(sum(x * x for x, *_ in values.values()) ** 0.5) or 1.0
+    worst = 0.0
+    for name, p in named.items():
+        tol = max(tolerance(dtype) for dtype in (p.dtype, *computed))
+        expected_norm, err, norm = values[p]
+        if err is None:
+            if expected_norm > tol * scale:
+                return f"it gives no gradient for `{name}`", float("inf")
+            worst = max(worst, expected_norm / (tol * scale))
+            continue
+        threshold = tol * max(expected_norm, 1e-3 * scale)
+        if err > threshold:
+            return f"its gradient of `{name}` is off by {err / max(expected_norm, 1e-30):.2e} (relative)", float("inf")
+        if abs(norm - expected_norm) > threshold:
+            return f"its per-example norm of `{name}` is {norm:.6g}, autograd's {expected_norm:.6g}", float("inf")
+        worst = max(worst, err / threshold, abs(norm - expected_norm) / threshold)
+    return None, worst
+
+
+def _noise_like(output: Tensor, noise: dict | None) -> Tensor:
+    if noise is None:
+        return _random_like(output, seed=17)
+    key = (tuple(output.shape), output.dtype, output.device)
+    if key not in noise:
+        noise[key] = _random_like(output, seed=17)
+    return noise[key]
+
+
+def _call_with(module: nn.Module, leaves: dict[str, Tensor], args: tuple, kwargs: dict):
+    """``torch.func.functional_call(module, leaves, args, kwargs)``; for a module without submodules whose
+    parameters are distinct tensors (nothing to untie), the same swap of ``module._parameters`` done directly."""
+    own = module._parameters
+    direct = (
+        not module._modules
+        and not isinstance(module, torch.jit.ScriptModule)
+        and all(n in own for n in leaves)
+        and len({id(p) for p in own.values() if p is not None}) == sum(p is not None for p in own.values())
+    )
+    if not direct:
+        return torch.func.functional_call(module, leaves, args, kwargs)
+    saved = {n: own[n] for n in leaves}
+    try:
+        for n, t in leaves.items():
+            own[n] = t
+        return module(*args, **kwargs)
+    finally:
+        for n, p in saved.items():
+            own[n] = p
+
+
+def _comparison_norms(named: dict, ref: dict, grads: dict) -> dict:
+    """``param -> (||autograd||, ||rule - autograd|| or None without a rule gradient, ||rule||)``, read on the host
+    at once (``Tensor.norm()`` is ``vector_norm(., 2)``; ``||rule||`` from the ghost norm)."""
+    parts, where = [], {}
+    for p in named.values():
+        expected = ref[p].double()
+        got = grads.get(p)
+        row = [torch.linalg.vector_norm(expected)]
+        if got is not None:
+            dense = instantiate(got, compute_dtype(p.dtype)).value[0].double()
+            row += [torch.linalg.vector_norm(dense - expected), norm_sq(got, torch.float64)[0].sqrt()]
+        where[p] = (len(parts), len(row))
+        parts += [x.to(dtype=torch.float64, device=parts[0].device if parts else x.device) for x in row]
+    flat = torch.stack(parts).tolist() if parts else []
+    out = {}
+    for p, (start, n) in where.items():
+        row = flat[start : start + n]
+        out[p] = (row[0], row[1], row[2]) if n == 3 else (row[0], None, None)
+    return out
+
+
+def _compare_in_order(named: dict, ref: dict, grads: dict, computed: list) -> str | None:
+    """The comparison of :func:`rule_disagreement`, one parameter after the other (a rule whose gradients could not
+    be compared all at once: the first problem in order, or its error)."""
+    scale = float(sum(r.double().pow(2).sum() for r in ref.values()) ** 0.5) or 1.0
     for name, p in named.items():
         tol = max(tolerance(dtype) for dtype in (p.dtype, *computed))
         expected = ref[p].double()
@@ -113,6 +209,139 @@ def rule_disagreement(entry: HookedModule, rule: LayerRule, call: CallRecord, la
         if abs(norm - float(expected.norm())) > tol * max(float(expected.norm()), 1e-3 * scale):
             return f"its per-example norm of `{name}` is {norm:.6g}, autograd's {float(expected.norm()):.6g}"
     return None
+
+
+#: ``nn.Module`` attributes that hold hooks and bookkeeping, not state that its ``forward`` reads.
+_MODULE_INTERNALS = frozenset(
+    {
+        "_parameters",
+        "_buffers",
+        "_modules",
+        "_non_persistent_buffers_set",
+        "_backward_pre_hooks",
+        "_backward_hooks",
+        "_is_full_backward_hook",
+        "_forward_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+    }
+)
+#: How far inside its tolerance a rule check must pass for identical modules to share it (:class:`RuleChecks`):
+#: float64 round-off is ~1e-10 of the float64 threshold, a lower internal precision ~1e-1.
+SHARE_MARGIN = 1e-2
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+class _NotComparable(Exception):
+    pass
+
+
+def _signature(x, values: list, *, float_values: bool):
+    """A hashable description of ``x`` for :class:`RuleChecks`: containers walked, scalars by value, tensors by type,
+    shape, strides, dtype and device, with their values appended to ``values`` (integer and boolean tensors always,
+    floating-point ones if ``float_values``) and compared there; any other object by identity."""
+    kind = type(x)
+    if kind in _SCALARS:
+        return (kind, x)
+    if isinstance(x, Tensor):
+        if float_values or not (x.is_floating_point() or x.is_complex()):
+            values.append(x)
+        return (kind, tuple(x.shape), x.stride() if x.layout == torch.strided else None, x.dtype, x.device, x.layout)
+    if kind is tuple or kind is list or kind is torch.Size:
+        return (kind, tuple(_signature(y, values, float_values=float_values) for y in x))
+    if kind is dict:
+        if not all(type(k) in _SCALARS for k in x):
+            raise _NotComparable
+        return (kind, tuple((k, _signature(v, values, float_values=float_values)) for k, v in x.items()))
+    values.append(x)  # a configuration, a cache, a function: the same object only
+    return ("object", id(x))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, Tensor):
+        return isinstance(b, Tensor) and torch.equal(a, b)
+    return a is b
+
+
+class RuleChecks:
+    """The rule checks of one plan (:func:`rule_disagreement`), shared between identical modules.
+
+    Only a rule registered for the module's exact type (whose ``forward`` is the class's: a torch layer such as
+    ``nn.Linear``, whose closed form is hf_dp's own) is shared, and only a check that passed far inside its
+    tolerance (every difference under :data:`SHARE_MARGIN` of its threshold: agreement to round-off in the dtype the
+    module computes in). A guessed rule (a class name, a base class) is checked on every module: its forward is the
+    model's code, which may branch on values or compute in another precision than its inputs (where the check passes
+    or fails by the values it meets), and a check that came close to its tolerance is not a function's property.
+
+    Two checks are the same test when everything the rule and the module's ``forward`` compute from, other than the
+    values of the parameters and of the floating-point inputs, is the same: the rule, the module's type (no
+    ``forward`` of its own, no submodules, no hooks), every other attribute (scalars equal, tensors and buffers equal
+    in value, other objects the same object), the parameters' names, shapes, dtypes and which of them the rule covers,
+    the call's structure (scalars equal; tensors of the same shape, strides, dtype and device; integer and boolean
+    tensors such as token ids equal in value), its output's shape, the autocast state and the proven layout. The
+    second module of a repeated block (the layers of a transformer) then gets the first one's answer: the same closed
+    form against autograd of the same function, with the same random output gradient, at another point of a function
+    the torch layer computes without branching on the floating-point values. Anything else is checked on its own."""
+
+    def __init__(self) -> None:
+        self._done: dict[tuple, list[tuple[list, str | None]]] = {}
+        self._noise: dict = {}  # the random output gradients, by shape, dtype and device
+        self.evaluated = 0
+        self.shared = 0
+
+    def key(self, entry: HookedModule, rule: LayerRule, call: CallRecord, layout: Layout) -> tuple[tuple, list] | None:
+        module = entry.module
+        if entry.match is None or not entry.match.exact or rule is not entry.match.rule:
+            return None
+        if module._modules or "forward" in vars(module) or any(getattr(module, h, None) for h in _HOOK_DICTS):
+            return None
+        values: list = []
+        try:
+            state = tuple(
+                (k, _signature(v, values, float_values=True))
+                for k, v in vars(module).items()
+                if k not in _MODULE_INTERNALS
+            )
+            covered = {id(p) for p in entry.params}
+            params = tuple(
+                (n, None if p is None else (tuple(p.shape), p.dtype, p.device, p.requires_grad, id(p) in covered))
+                for n, p in module._parameters.items()
+            )
+            buffers = tuple((n, _signature(b, values, float_values=True)) for n, b in module._buffers.items())
+            inputs = _signature((call.args, call.kwargs), values, float_values=False)
+            output = _signature(call.output, [], float_values=False)
+        except _NotComparable:
+            return None
+        scale = rule.scale if isinstance(rule, ScaledRule) else None
+        base = id(rule.base) if isinstance(rule, ScaledRule) else id(rule)
+        key = (type(rule), base, scale, type(module), state, params, buffers, inputs, output, call.autocast, layout)
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key, values
+
+    def disagreement(self, entry: HookedModule, rule: LayerRule, call: CallRecord, layout: Layout) -> str | None:
+        """:func:`rule_disagreement`, or the answer of an identical check of this plan."""
+        found = self.key(entry, rule, call, layout)
+        if found is not None:
+            key, values = found
+            for seen, problem in self._done.get(key, ()):
+                if len(seen) == len(values) and all(_same(a, b) for a, b in zip(seen, values, strict=True)):
+                    self.shared += 1
+                    return problem
+        problem, closeness = _disagreement(entry, rule, call, layout, self._noise)
+        self.evaluated += 1
+        if found is not None and problem is None and closeness <= SHARE_MARGIN:
+            self._done.setdefault(key, []).append((values, problem))
+        return problem
 
 
 def _measure_scale(module: nn.Module, base: type, call: CallRecord) -> float | None:
@@ -139,8 +368,11 @@ def _forward_differs(module: nn.Module, base: type) -> bool:
     return "forward" in vars(module) or type(module).forward is not base.forward
 
 
-def _choose_rule(entry: HookedModule, calls: list[CallRecord], layouts: Layouts) -> LayerRule:
-    """The rule to use for ``entry``: its own, a scaled version, or the fallback (guessed rules that disagree)."""
+def _choose_rule(
+    entry: HookedModule, calls: list[CallRecord], layouts: Layouts, checks: RuleChecks | None = None
+) -> LayerRule:
+    """The rule to use for ``entry``: its own, a scaled version, or the fallback (guessed rules that disagree).
+    ``checks``: the rule checks of this plan so far, shared between identical modules (:class:`RuleChecks`)."""
     if entry.is_fallback or not calls:
         return entry.rule
     match = entry.match
@@ -157,7 +389,12 @@ def _choose_rule(entry: HookedModule, calls: list[CallRecord], layouts: Layouts)
     first = next((c for c in calls if closed_form_layout(rule, c, layouts) is not None), None)
     if first is None:
         return rule  # its uses are covered by an enclosing module (decided per use below)
-    problem = rule_disagreement(entry, rule, first, closed_form_layout(rule, first, layouts))
+    layout = closed_form_layout(rule, first, layouts)
+    problem = (
+        rule_disagreement(entry, rule, first, layout)
+        if checks is None
+        else checks.disagreement(entry, rule, first, layout)
+    )
     if problem is None:
         return rule
     if match is not None and match.exact:
@@ -229,11 +466,12 @@ def build_plan(
     param_names: dict[nn.Parameter, str],
     *,
     allow_fallback: bool,
-    three: ProbeRun | None = None,
+    three: ProbeRun | Callable[[], ProbeRun] | None = None,
 ) -> Plan:
     """The plan for the probed forward pass (steps 1-3 of the module docstring; the caller runs step 4).
 
-    ``one``, ``two``, ``three``: probe runs on examples ``[0]``, ``[1, 0]`` and (optionally) ``[1, 1, 0]``.
+    ``one``, ``two``, ``three``: probe runs on examples ``[0]``, ``[1, 0]`` and (optionally) ``[1, 1, 0]``; ``three``
+    may be the function that makes it, called if the plan reads a layout that needs it (:class:`~.layouts.Layouts`).
     """
     layouts = Layouts(one, two, three, names)
     calls_of: dict[int, list[CallRecord]] = {}
@@ -242,8 +480,9 @@ def build_plan(
 
     # 2. rules
     entries: list[HookedModule] = []
+    checks = RuleChecks()
     for entry in static:
-        rule = _choose_rule(entry, calls_of.get(id(entry.module), []), layouts)
+        rule = _choose_rule(entry, calls_of.get(id(entry.module), []), layouts, checks)
         entries.append(HookedModule(entry.name, entry.module, rule, list(entry.params), entry.match))
     owner: dict[tuple[int, nn.Parameter], HookedModule] = {}
     for entry in entries:
@@ -318,13 +557,7 @@ def build_plan(
                 extra.name,
             )
 
-    rows = set()
-    for call in one.calls:
-        leaves = call.in_leaves + call.out_leaves
-        for leaf, layout in zip(leaves, layouts.inputs[call.index] + layouts.outputs[call.index], strict=False):
-            batched = isinstance(layout, Layout) and layout.dim == 0 and not layout.broadcast
-            if batched and isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] > 1:
-                rows.add(leaf.shape[0])
+    rows = layouts.batched_rows()
     plan = Plan(hooked=final, calls={}, repeats=(1, *sorted(rows)))
     for entry in final:
         for call in calls_of.get(id(entry.module), []):

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_leaves
 
 from ..layers import Layout
 from ..layers.base import autocast_state
@@ -30,10 +31,12 @@ __all__ = [
     "MIXED",
     "CallRecord",
     "ProbeRun",
+    "Prober",
     "UseRecorder",
     "eval_mode",
     "frozen_rng",
     "infer_layout",
+    "run_expanded",
     "run_probe",
     "same_values",
     "tolerance",
@@ -64,14 +67,20 @@ def tolerance(dtype: torch.dtype) -> float:
     return 5e-2
 
 
-def _params_in(args: tuple, kwargs: dict, params: dict[int, nn.Parameter]) -> Iterator[nn.Parameter]:
-    for x in itertools.chain(args, kwargs.values()):
-        if isinstance(x, list | tuple):
+def _params_in(args: tuple, kwargs: dict, params: dict[int, nn.Parameter]) -> list[nn.Parameter]:
+    """The ``params`` among the arguments of a torch function (top level, and inside a top-level list or tuple)."""
+    found = []
+    for x in itertools.chain(args, kwargs.values()) if kwargs else args:
+        p = params.get(id(x))
+        if p is not None:
+            if p is x:
+                found.append(p)
+        elif isinstance(x, list | tuple):
             for y in x:
-                if id(y) in params and params[id(y)] is y:
-                    yield y
-        elif id(x) in params and params[id(x)] is x:
-            yield x
+                q = params.get(id(y))
+                if q is not None and q is y:
+                    found.append(q)
+    return found
 
 
 def _differentiable(out) -> bool:
@@ -99,23 +108,54 @@ class UseRecorder(TorchFunctionMode):
         self.grad_mode_only = grad_mode_only
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func not in _NOT_USES and (not self.grad_mode_only or torch.is_grad_enabled()):
-            found = list(_params_in(args, kwargs, self.params))
-            if found and _differentiable(out):
-                for p in found:
-                    self.on_use(p, func)
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if func in _NOT_USES:
+            return out
+        found = _params_in(args, kwargs, self.params)
+        if found and (not self.grad_mode_only or torch.is_grad_enabled()) and _differentiable(out):
+            for p in found:
+                self.on_use(p, func)
         return out
 
 
+def _is_packed(x) -> bool:
+    return isinstance(x, PackedSequence)
+
+
+#: Types that are pytree leaves themselves (``tree_flatten`` keeps them whole).
+_LEAF_TYPES = frozenset({Tensor, nn.Parameter, int, float, bool, str, type(None), torch.dtype, torch.device})
+
+
+def _leaves(x, out: list) -> None:
+    """Append the leaves of ``x`` in ``tree_flatten`` order (``PackedSequence`` a leaf): plain tuples, lists and
+    dicts are walked here, every other type is handed to ``tree_leaves`` (same leaves, same order)."""
+    kind = type(x)
+    if kind in _LEAF_TYPES:
+        out.append(x)
+    elif kind is tuple or kind is list:
+        for y in x:
+            _leaves(y, out)
+    elif kind is dict:
+        for y in x.values():
+            _leaves(y, out)
+    else:
+        out.extend(tree_leaves(x, is_leaf=_is_packed))
+
+
 def flatten_call(args: tuple, kwargs: dict) -> list:
-    leaves, _ = tree_flatten((tuple(args), dict(kwargs)), is_leaf=lambda x: isinstance(x, PackedSequence))
+    """The leaves of a call's ``(args, kwargs)``, as ``tree_flatten((tuple(args), dict(kwargs)))`` lists them."""
+    leaves: list = []
+    for x in args:
+        _leaves(x, leaves)
+    for x in kwargs.values():
+        _leaves(x, leaves)
     return leaves
 
 
 def flatten_output(output) -> list:
-    leaves, _ = tree_flatten(output, is_leaf=lambda x: isinstance(x, PackedSequence))
+    """The leaves of a call's output, as ``tree_flatten(output)`` lists them."""
+    leaves: list = []
+    _leaves(output, leaves)
     return leaves
 
 
@@ -170,64 +210,151 @@ def frozen_rng(devices: list[torch.device]):
             torch.cuda.set_rng_state(state, d)
 
 
-def run_probe(
-    model: nn.Module,
-    args: tuple,
-    kwargs: dict,
-    params: dict[int, nn.Parameter],
-    *,
-    output_hook: Callable[[CallRecord, Any], Any] | None = None,
-) -> ProbeRun:
-    """Run ``model(*args, **kwargs)`` in eval mode without gradients, recording every module call and every use of
-    the ``params`` (by the innermost module call in progress). ``output_hook(record, output)`` may replace a call's
-    output (the planner uses it to try the broadcast expansions)."""
-    calls: list[CallRecord] = []
-    stack: list[int] = []
-    counts: dict[int, int] = {}
-    uses: dict[nn.Parameter, list[int]] = {}
+class Prober:
+    """Probe runs of one model (:func:`run_probe`), with the hooks that record them registered once for all of them
+    (a pre-hook appended and a post-hook prepended on every module, as for a single run).
 
-    def pre(module, args, kwargs):
-        ordinal = counts.get(id(module), 0)
-        counts[id(module)] = ordinal + 1
+    Use as a context manager, inside :func:`eval_mode` (the runs are in eval mode, and the model stays there across
+    them); :meth:`run` records one run. Between runs the hooks stand aside."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.handles: list = []
+        self._calls: list[CallRecord] | None = None  # the run in progress
+        self._stack: list[int] = []
+        self._counts: dict[int, int] = {}
+        self._uses: dict[nn.Parameter, list[int]] = {}
+        self._output_hook: Callable[[CallRecord, Any], Any] | None = None
+
+    def __enter__(self) -> Prober:
+        for module in self.model.modules():
+            self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self.handles.append(
+                module.register_forward_hook(self._post, with_kwargs=True, always_call=True, prepend=True)
+            )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _pre(self, module, args, kwargs):
+        calls = self._calls
+        if calls is None:
+            return
+        key = id(module)
+        ordinal = self._counts.get(key, 0)
+        self._counts[key] = ordinal + 1
+        stack = self._stack
         record = CallRecord(len(calls), module, stack[-1] if stack else None, ordinal, tuple(args), dict(kwargs))
         record.in_leaves = flatten_call(args, kwargs)
         record.autocast = autocast_state()
         calls.append(record)
         stack.append(record.index)
 
-    def post(module, args, kwargs, output):
-        if not stack or calls[stack[-1]].module is not module:
+    def _post(self, module, args, kwargs, output):
+        calls, stack = self._calls, self._stack
+        if calls is None or not stack or calls[stack[-1]].module is not module:
             return None
         record = calls[stack.pop()]
-        if output_hook is not None:
-            replaced = output_hook(record, output)
+        if self._output_hook is not None:
+            replaced = self._output_hook(record, output)
             if replaced is not None:
                 output = replaced
         record.output = output
         record.out_leaves = flatten_output(output)
         return output
 
-    def on_use(p: nn.Parameter, func) -> None:
+    def _on_use(self, p: nn.Parameter, func) -> None:
+        stack = self._stack
         if stack:
-            where = uses.setdefault(p, [])
+            where = self._uses.setdefault(p, [])
             if not where or where[-1] != stack[-1]:
                 where.append(stack[-1])
 
+    def run(
+        self,
+        args: tuple,
+        kwargs: dict,
+        params: dict[int, nn.Parameter],
+        *,
+        uses: bool = True,
+        output_hook: Callable[[CallRecord, Any], Any] | None = None,
+    ) -> ProbeRun:
+        """One run of ``model(*args, **kwargs)`` without gradients, recording every module call, and (``uses``)
+        every use of the ``params`` by the innermost module call in progress."""
+        if self._calls is not None:
+            raise RuntimeError("a probe run is already in progress")
+        calls: list[CallRecord] = []
+        self._calls, self._stack, self._counts, self._uses = calls, [], {}, {}
+        self._output_hook = output_hook
+        recorded = self._uses
+        try:
+            with torch.no_grad(), UseRecorder(params, self._on_use) if uses else contextlib.nullcontext():
+                output = self.model(*args, **kwargs)
+        finally:
+            self._calls, self._stack, self._counts, self._uses, self._output_hook = None, [], {}, {}, None
+        return ProbeRun(calls, recorded, output, frozenset(params) if uses else frozenset())
+
+
+def run_probe(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    params: dict[int, nn.Parameter],
+    *,
+    uses: bool = True,
+    output_hook: Callable[[CallRecord, Any], Any] | None = None,
+) -> ProbeRun:
+    """Run ``model(*args, **kwargs)`` in eval mode without gradients, recording every module call and (``uses``)
+    every use of the ``params`` (by the innermost module call in progress). ``output_hook(record, output)`` may
+    replace a call's output. Several runs on one model: :class:`Prober`."""
+    with eval_mode(model), Prober(model) as prober:
+        return prober.run(args, kwargs, params, uses=uses, output_hook=output_hook)
+
+
+def run_expanded(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    modules: list[nn.Module],
+    output_hook: Callable[[CallRecord, Any], Any],
+    *,
+    in_eval_mode: bool = False,
+) -> Any:
+    """The output of ``model(*args, **kwargs)`` in eval mode without gradients, each call of ``modules`` passed
+    through ``output_hook(record, output)`` (a record with the call's module and ordinal only; ``None``: keep the
+    output), as :func:`run_probe` would pass it, without recording anything else. ``in_eval_mode``: the caller
+    already holds the model in :func:`eval_mode`."""
+    counts: dict[int, int] = {}
+    stack: list[tuple[nn.Module, int]] = []
+
+    def pre(module, args):
+        ordinal = counts.get(id(module), 0)
+        counts[id(module)] = ordinal + 1
+        stack.append((module, ordinal))
+
+    def post(module, args, output):
+        if not stack or stack[-1][0] is not module:
+            return None
+        _, ordinal = stack.pop()
+        replaced = output_hook(CallRecord(0, module, None, ordinal), output)
+        return output if replaced is None else replaced
+
     handles = []
     seen: set[int] = set()
-    for module in model.modules():
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True, prepend=True))
+    for module in modules:
+        if id(module) not in seen:
+            seen.add(id(module))
+            handles.append(module.register_forward_pre_hook(pre))
+            handles.append(module.register_forward_hook(post, always_call=True, prepend=True))
     try:
-        with eval_mode(model), torch.no_grad(), UseRecorder(params, on_use):
-            output = model(*args, **kwargs)
+        with contextlib.nullcontext() if in_eval_mode else eval_mode(model), torch.no_grad():
+            return model(*args, **kwargs)
     finally:
         for handle in handles:
             handle.remove()
-    return ProbeRun(calls, uses, output, frozenset(params))
 
 
 def infer_layout(one, two, sizes: tuple[int, int] = (1, 2)):
@@ -265,8 +392,15 @@ def same_values(a: Tensor, b: Tensor) -> bool:
     a, b = a.detach(), b.detach()  # a forward hook may make a probe output require grad (enable_input_require_grads)
     if not (a.is_floating_point() or a.is_complex()):
         return bool(torch.equal(a, b))
-    if a.numel() == 0:
+    if a.numel() == 0 or torch.equal(a, b):  # equal (no NaN): within any tolerance
         return True
+    if a.is_floating_point():
+        # every entry finite in both (else some difference is inf or NaN, and the general comparison decides):
+        # the largest difference against the largest magnitude, as below with every entry finite
+        x, y = a.double(), b.double()
+        diff, scale = torch.stack([(x - y).abs().max(), y.abs().max()]).tolist()
+        if math.isfinite(diff):
+            return diff <= tolerance(a.dtype) * max(scale, 1e-30)
     nan_a, nan_b = torch.isnan(a), torch.isnan(b)
     if not torch.equal(nan_a, nan_b):
         return False

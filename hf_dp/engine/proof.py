@@ -22,7 +22,7 @@ from .batch import RootBatch, slice_batch
 from .checkpointing import own_saved_tensors
 from .coverage import HookedModule
 from .planner import CallLayout, Plan, build_plan, expansion_changes_output, fits, needs_third_run
-from .probe import eval_mode, frozen_rng, run_probe
+from .probe import Prober, eval_mode, frozen_rng, run_expanded, run_probe
 from .state import expand_output
 
 logger = logging.getLogger("hf_dp.engine.clipper")
@@ -33,35 +33,53 @@ __all__ = ["PlanProof"]
 class PlanProof:
     """Mixin of :class:`~hf_dp.engine.BookKeepingClipper`: prove, extend and merge plans."""
 
-    def _make_plan(self, args: tuple, kwargs: dict, batch: RootBatch, first: int = 0, second: int = 1) -> Plan:
+    def _make_plan(
+        self, args: tuple, kwargs: dict, batch: RootBatch, first: int = 0, second: int = 1, *, names=None
+    ) -> Plan:
         """Prove a plan on the sub-batches ``[first]`` and ``[second, first]`` of this batch (``[first, first]`` for
-        a batch of one), with ``[second, second, first]`` when a leaf is a tensor in one run only."""
+        a batch of one), with ``[second, second, first]`` when a leaf is a tensor in one run only. ``names``: the
+        model's ``_names()``, if the caller has them."""
         self._check_own_passes("prove a plan")
-        names, param_names = self._names()
+        names, param_names = names if names is not None else self._names()
         params = {id(p): p for p in self._trainable}
         devices = sorted({p.device for p in self.model.parameters()}, key=str)
         second = second if batch.size > 1 else first
-        with self._inert(), frozen_rng(devices), own_saved_tensors():  # maybe inside a checkpointed region
+        pair = [second, first]
+
+        def failed(err: Exception) -> UnsupportedModuleError:
+            return UnsupportedModuleError(
+                "hf_dp proves where the examples lie in every layer by running the model on sub-batches of 1 "
+                f"and 2 examples cut out of this batch (dimension 0 of every input of size {batch.size}), and "
+                f"that run failed: {type(err).__name__}: {err}. Pass batch-first inputs whose examples can be "
+                "sliced along dimension 0."
+            )
+
+        def third_run():
+            # made when the plan first reads a leaf that is a tensor in one of the first two runs only
             try:
-                one = run_probe(self.model, *slice_batch(args, kwargs, batch, [first]), params)
-                pair = [second, first]
-                two = run_probe(self.model, *slice_batch(args, kwargs, batch, pair), params)
-                three = None
-                if needs_third_run(one, two):  # e.g. a mask built only when some example is padded
-                    three = run_probe(self.model, *slice_batch(args, kwargs, batch, [second, second, first]), params)
+                with Prober(self.model) as prober:
+                    return prober.run(*slice_batch(args, kwargs, batch, [second, second, first]), params, uses=False)
             except UnsupportedModuleError:
                 raise
             except Exception as err:
-                raise UnsupportedModuleError(
-                    "hf_dp proves where the examples lie in every layer by running the model on sub-batches of 1 "
-                    f"and 2 examples cut out of this batch (dimension 0 of every input of size {batch.size}), and "
-                    f"that run failed: {type(err).__name__}: {err}. Pass batch-first inputs whose examples can be "
-                    "sliced along dimension 0."
-                ) from err
-            with eval_mode(self.model):
-                plan = build_plan(
-                    self._static, one, two, names, param_names, allow_fallback=self.allow_fallback, three=three
-                )
+                raise failed(err) from err
+
+        # one eval mode, and one set of probe hooks for the first two runs
+        with self._inert(), frozen_rng(devices), own_saved_tensors(), eval_mode(self.model):  # maybe checkpointed
+            try:
+                with Prober(self.model) as prober:
+                    one = prober.run(*slice_batch(args, kwargs, batch, [first]), params)
+                    # the plan reads the uses of the parameters off the first run only
+                    two = prober.run(*slice_batch(args, kwargs, batch, pair), params, uses=False)
+            except UnsupportedModuleError:
+                raise
+            except Exception as err:
+                raise failed(err) from err
+            # e.g. a mask built only when some example is padded: the third run, if the plan reads such a leaf
+            three = third_run if needs_third_run(one, two) else None
+            plan = build_plan(
+                self._static, one, two, names, param_names, allow_fallback=self.allow_fallback, three=three
+            )
             self._prove_expansions(plan, args, kwargs, batch, pair, two, params)
         return plan
 
@@ -86,13 +104,14 @@ class PlanProof:
                 ]
                 expand[(id(by_id[entry_id].module), ordinal)] = [(j, repeat) for j in layout.expand]
             try:
-                expanded = run_probe(
+                expanded = run_expanded(
                     self.model,
                     *slice_batch(args, kwargs, batch, pair),
-                    params,
-                    output_hook=functools.partial(expand_output, expand, 2),
+                    [by_id[entry_id].module for (entry_id, _), _ in expanding],
+                    functools.partial(expand_output, expand, 2),
+                    in_eval_mode=True,  # inside `_make_plan`'s
                 )
-                changed = expansion_changes_output(two.output, expanded.output)
+                changed = expansion_changes_output(two.output, expanded)
             except Exception:  # noqa: BLE001  (the model cannot take the expanded tensor)
                 changed = True
             if not changed:
@@ -136,7 +155,7 @@ class PlanProof:
         tried = 0
         with self._inert(), frozen_rng(devices):
             for j in range(1, batch.size) if batch.size > 1 else [0]:
-                two = run_probe(self.model, *slice_batch(args, kwargs, batch, [j, 0]), params)
+                two = run_probe(self.model, *slice_batch(args, kwargs, batch, [j, 0]), params, uses=False)
                 call = next((c for c in two.calls if (id(c.module), c.ordinal) == target), None)
                 if call is None or not _same_structure(call, in_leaves, out_leaves, entry.is_fallback):
                     continue

@@ -48,8 +48,9 @@ def closed_form_grads(
     return {p: fold(value, batch_size) for p, value in grads.items()}
 
 
-def foreign_rows(grad: Tensor, layout: Layout, batch_size: int, example: int) -> bool:
-    """Whether ``grad`` (the gradient of loss ``example`` alone) is non-zero in rows of other examples.
+def foreign_rows(grad: Tensor, layout: Layout, batch_size: int, example: int) -> Tensor:
+    """Whether ``grad`` (the gradient of loss ``example`` alone) is non-zero in rows of other examples (a 0-dim bool
+    tensor on ``grad``'s device: the caller reads it).
 
     Non-finite entries are ignored: ``0 * inf`` is NaN in a backward pass through an example whose activations
     overflowed, which says nothing about coupling (and such an example gets weight 0 anyway).
@@ -57,4 +58,4 @@ def foreign_rows(grad: Tensor, layout: Layout, batch_size: int, example: int) ->
     g = to_rows(grad, grad_layout(layout), batch_size)
     k = g.shape[0] // batch_size
     others = torch.cat([g[: example * k].reshape(-1), g[(example + 1) * k :].reshape(-1)])
-    return bool(((others != 0) & torch.isfinite(others)).any())
+    return ((others != 0) & torch.isfinite(others)).any()

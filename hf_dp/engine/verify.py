@@ -9,6 +9,8 @@ are recorded and replayed every step: :mod:`hf_dp.layers.replay`.)
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
 from ..layers import UnsupportedModuleError
@@ -52,11 +54,12 @@ class Verification:
         self.mode: UseRecorder | None = None
 
     def start(self) -> None:
-        seen: set[int] = {id(self.model)}
-        for module in self.model.modules():
-            if id(module) in seen:
+        # Only the covering modules change what `on_use` accepts: they alone are hooked (the other modules run
+        # without hooks, as in every later forward pass); the module a refused use ran in is found when refusing.
+        for entries in self.covers.values():
+            module = entries[0].module
+            if module is self.model:
                 continue
-            seen.add(id(module))
             self.handles.append(module.register_forward_pre_hook(self._enter, prepend=True))
             self.handles.append(module.register_forward_hook(self._leave, always_call=True))
         self._enter(self.model, ())  # the root's call is already in progress
@@ -87,9 +90,9 @@ class Verification:
                 self.active[p] -= 1
 
     def _where(self) -> str:
-        if not self.stack:
+        module = _innermost_call(self.names)
+        if module is None:
             return "outside any module"
-        module = self.stack[-1]
         return f"in the forward pass of `{self.names.get(id(module), '')}` ({type(module).__name__})"
 
     def on_use(self, p: nn.Parameter, func) -> None:
@@ -102,3 +105,16 @@ class Verification:
             "seen when hf_dp planned on the first batch (it differs between train and eval mode, or between "
             "batches). Freeze the parameter, or make the model take the same path in both modes."
         )
+
+
+def _innermost_call(names: dict[int, str]) -> nn.Module | None:
+    """The innermost module of the model (``names``: its modules) whose call is in progress on this thread."""
+    codes = (nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes:
+            module = frame.f_locals.get("self")
+            if isinstance(module, nn.Module) and id(module) in names:
+                return module
+        frame = frame.f_back
+    return None

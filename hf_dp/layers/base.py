@@ -21,6 +21,7 @@ __all__ = [
     "NeedsFallback",
     "UnsupportedModuleError",
     "flatten_sequence",
+    "own_named_parameters",
     "sum_positions",
 ]
 
@@ -114,7 +115,7 @@ class LayerRule:
 
     def parameters(self, module: nn.Module) -> list[nn.Parameter]:
         """The parameters this rule covers for ``module`` (trainable or not)."""
-        return [p for n, p in module.named_parameters(recurse=False) if n in self.param_names and p is not None]
+        return [p for n, p in own_named_parameters(module) if n in self.param_names]
 
     def capture(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Captured:
         """Keep what :meth:`per_example_grads` needs (by default the first positional input).
@@ -142,6 +143,21 @@ class LayerRule:
         """``sum_i coef_i G_i`` for each trainable parameter."""
         grads = self.per_example_grads(module, captured, grad_output, set(self.parameters(module)))
         return {p: weighted_sum(g, coef, p.dtype) for p, g in grads.items()}
+
+
+def own_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``list(module.named_parameters(recurse=False))``, read straight from ``module._parameters`` unless the class
+    overrides ``named_parameters`` (the same pairs, in the same order: ``None`` entries and repeats left out)."""
+    kind = type(module)
+    if kind.named_parameters is not nn.Module.named_parameters or kind._named_members is not nn.Module._named_members:
+        return list(module.named_parameters(recurse=False))
+    seen: set[int] = set()
+    out = []
+    for name, p in module._parameters.items():
+        if p is not None and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
 
 
 def flatten_sequence(x: Tensor) -> Tensor:

@@ -35,6 +35,7 @@ __all__ = [
     "UseRecorder",
     "eval_mode",
     "frozen_rng",
+    "probe_mode",
     "infer_layout",
     "run_expanded",
     "run_probe",
@@ -197,6 +198,53 @@ def eval_mode(model: nn.Module):
             m.training = flag
 
 
+#: Torch functions that drop entries at random in training mode: the identity in a training-like probe.
+_DROPOUTS = frozenset(
+    {
+        torch.nn.functional.dropout,
+        torch.nn.functional.dropout1d,
+        torch.nn.functional.dropout2d,
+        torch.nn.functional.dropout3d,
+        torch.nn.functional.alpha_dropout,
+        torch.nn.functional.feature_alpha_dropout,
+        torch.dropout,
+        torch.alpha_dropout,
+        torch.feature_dropout,
+        torch.feature_alpha_dropout,
+    }
+)
+
+
+class _NoDropout(TorchFunctionMode):
+    """Dropout as in eval mode (the input unchanged; attention dropout of ``scaled_dot_product_attention`` 0) while
+    every module keeps its training flag."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _DROPOUTS:
+            return args[0] if args else kwargs["input"]
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            if len(args) > 4:
+                args = (*args[:4], 0.0, *args[5:])
+            if "dropout_p" in kwargs:
+                kwargs["dropout_p"] = 0.0
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def probe_mode(model: nn.Module, training_like: bool = False):
+    """The mode the probe runs the model in: :func:`eval_mode`, or (``training_like``) every module's own training
+    flag with dropout off (a model whose training forward takes another path than its eval one, e.g. XLNet, which
+    returns its memories in eval mode only). Any other random draw of a training-like run differs between the
+    sub-batch runs, which then prove nothing for the tensors it touches (refused, never guessed)."""
+    if not training_like:
+        with eval_mode(model):
+            yield
+        return
+    with _NoDropout():
+        yield
+
+
 @contextlib.contextmanager
 def frozen_rng(devices: list[torch.device]):
     """Run code that may draw random numbers without changing what training draws afterwards."""
@@ -306,11 +354,13 @@ def run_probe(
     *,
     uses: bool = True,
     output_hook: Callable[[CallRecord, Any], Any] | None = None,
+    training_like: bool = False,
 ) -> ProbeRun:
-    """Run ``model(*args, **kwargs)`` in eval mode without gradients, recording every module call and (``uses``)
-    every use of the ``params`` (by the innermost module call in progress). ``output_hook(record, output)`` may
-    replace a call's output. Several runs on one model: :class:`Prober`."""
-    with eval_mode(model), Prober(model) as prober:
+    """Run ``model(*args, **kwargs)`` in eval mode (or :func:`probe_mode`'s training-like mode) without gradients,
+    recording every module call and (``uses``) every use of the ``params`` (by the innermost module call in
+    progress). ``output_hook(record, output)`` may replace a call's output. Several runs on one model:
+    :class:`Prober`."""
+    with probe_mode(model, training_like), Prober(model) as prober:
         return prober.run(args, kwargs, params, uses=uses, output_hook=output_hook)
 
 

@@ -22,7 +22,7 @@ from .batch import RootBatch, slice_batch
 from .checkpointing import own_saved_tensors
 from .coverage import HookedModule
 from .planner import CallLayout, Plan, build_plan, expansion_changes_output, fits, needs_third_run
-from .probe import Prober, eval_mode, frozen_rng, run_expanded, run_probe
+from .probe import Prober, frozen_rng, probe_mode, run_expanded, run_probe
 from .state import expand_output
 
 logger = logging.getLogger("hf_dp.engine.clipper")
@@ -34,7 +34,15 @@ class PlanProof:
     """Mixin of :class:`~hf_dp.engine.BookKeepingClipper`: prove, extend and merge plans."""
 
     def _make_plan(
-        self, args: tuple, kwargs: dict, batch: RootBatch, first: int = 0, second: int = 1, *, names=None
+        self,
+        args: tuple,
+        kwargs: dict,
+        batch: RootBatch,
+        first: int = 0,
+        second: int = 1,
+        *,
+        names=None,
+        training_like: bool = False,
     ) -> Plan:
         """Prove a plan on the sub-batches ``[first]`` and ``[second, first]`` of this batch (``[first, first]`` for
         a batch of one), with ``[second, second, first]`` when a leaf is a tensor in one run only. ``names``: the
@@ -65,7 +73,8 @@ class PlanProof:
                 raise failed(err) from err
 
         # one eval mode, and one set of probe hooks for the first two runs
-        with self._inert(), frozen_rng(devices), own_saved_tensors(), eval_mode(self.model):  # maybe checkpointed
+        mode = probe_mode(self.model, training_like)
+        with self._inert(), frozen_rng(devices), own_saved_tensors(), mode:  # maybe inside a checkpointed region
             try:
                 with Prober(self.model) as prober:
                     one = prober.run(*slice_batch(args, kwargs, batch, [first]), params)
@@ -153,14 +162,23 @@ class PlanProof:
         params = {id(p): p for p in self._trainable}
         target = (id(module), ordinal)
         tried = 0
+        # in eval mode first (dropout off, as the plan was proven); a model in training whose training forward takes
+        # another path (XLNet returns its memories in eval mode only) then in its training flags, dropout off
+        modes = [False, True] if any(m.training for m in self.model.modules()) else [False]
         with self._inert(), frozen_rng(devices):
-            for j in range(1, batch.size) if batch.size > 1 else [0]:
-                two = run_probe(self.model, *slice_batch(args, kwargs, batch, [j, 0]), params, uses=False)
+            for training_like, j in ((t, j) for t in modes for j in (range(1, batch.size) if batch.size > 1 else [0])):
+                two = run_probe(
+                    self.model,
+                    *slice_batch(args, kwargs, batch, [j, 0]),
+                    params,
+                    uses=False,
+                    training_like=training_like,
+                )
                 call = next((c for c in two.calls if (id(c.module), c.ordinal) == target), None)
                 if call is None or not _same_structure(call, in_leaves, out_leaves, entry.is_fallback):
                     continue
                 tried += 1
-                plan = self._make_plan(args, kwargs, batch, first=0, second=j)
+                plan = self._make_plan(args, kwargs, batch, first=0, second=j, training_like=training_like)
                 new_entry = next((e for e in plan.hooked if _entry_key(e) == key), None)
                 layouts = plan.calls.get((id(new_entry), ordinal), []) if new_entry is not None else []
                 found = next((lay for lay in layouts if fits(lay, in_leaves, out_leaves, batch.size)), None)

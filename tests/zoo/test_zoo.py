@@ -103,3 +103,11 @@ def test_zoo_full(task, model_type):
     modes = ("bk-mixopt", "bk", "ghost")
     runs = list(sweep_pair(task, model_type, modes, ("default", "eager", "fp32", "experts-eager", "lora")))
     _check(runs, allow_skipped=True)
+
+
+def test_a_training_forward_that_takes_another_path_than_eval_is_exact():
+    """XLNet returns its memories in eval mode only (`mem_len` set, `use_mems_train=False`): the plan proven in eval
+    mode does not describe its training call, and no eval-mode sub-batch takes that path. The engine then proves the
+    layouts in the model's training flags with dropout off: exact in every mode (refused before)."""
+    runs = list(sweep_pair("seq-cls", "xlnet", {"default": ("bk-mixopt", "bk", "ghost")}, ("default",), timeout_s=300))
+    assert [r.outcome for r in runs] == ["exact"] * 3, "\n".join(r.line() for r in runs)

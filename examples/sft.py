@@ -16,33 +16,15 @@ privacy); TRL's default packing strategy (``bfd``, padding-free) is refused with
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-from dataclasses import dataclass, field
+from pathlib import Path
 
-from datasets import load_dataset
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
 
 from hf_dp import DPSFTConfig, DPSFTTrainer  # was: from trl import SFTConfig, SFTTrainer
 
-
-@dataclass
-class DataFileArguments:
-    train_file: str | None = field(
-        default=None, metadata={"help": "A local json/jsonl/csv/parquet file instead of `--dataset_name`."}
-    )
-    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training rows."})
-
-
-def load_data(script_args: ScriptArguments, files: DataFileArguments):
-    if files.train_file is not None:
-        suffix = files.train_file.rsplit(".", 1)[-1]
-        builder = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}[suffix]
-        return load_dataset(builder, data_files={script_args.dataset_train_split: files.train_file})
-    if script_args.dataset_name is None:
-        raise ValueError("Give `--dataset_name` (a Hub dataset or a local folder) or `--train_file`.")
-    return load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trl_common import DataFileArguments, finish, load_splits, set_model_init_kwargs  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -50,39 +32,18 @@ def main(argv: list[str] | None = None) -> dict:
     script_args, training_args, model_args, files = parser.parse_args_and_config(
         args=sys.argv[1:] if argv is None else argv
     )
-    model_init_kwargs = dict(
-        revision=model_args.model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
-    )
-    model_init_kwargs.update(training_args.model_init_kwargs or {})
-    training_args.model_init_kwargs = model_init_kwargs  # as TRL's sft.py
-
-    dataset = load_data(script_args, files)
-    train = dataset[script_args.dataset_train_split]
-    if files.max_train_samples is not None:
-        train = train.select(range(min(files.max_train_samples, len(train))))
-    evaluate = training_args.eval_strategy != "no" and script_args.dataset_test_split in dataset
+    set_model_init_kwargs(model_args, training_args)  # as TRL's sft.py
+    train, evaluation = load_splits(script_args, files, training_args.eval_strategy)
 
     trainer = DPSFTTrainer(
         model=model_args.model_name_or_path,
         args=training_args,
         train_dataset=train,
-        eval_dataset=dataset[script_args.dataset_test_split] if evaluate else None,
+        eval_dataset=evaluation,
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
-    report = {"task": "sft", "privacy": trainer.dp_summary()}
-    if training_args.process_index == 0:
-        with open(os.path.join(training_args.output_dir, "dp_report.json"), "w") as f:
-            json.dump(report, f, indent=2, default=str)
-    trainer.accelerator.print(f"Saved to {training_args.output_dir}; epsilon = {trainer.epsilon():.3g}.")
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    return report
+    return finish(trainer, training_args, script_args, "sft")
 
 
 if __name__ == "__main__":

@@ -155,7 +155,7 @@ class DPTrainerMixin:
         num_rows = check_train_dataset(self.train_dataset)
         num_units = num_rows
         if self.args.privacy_unit == "user":
-            num_units = self._user_codes()[1]
+            num_units = self._user_codes(self.args.user_column)[1]
         return resolve_plan(
             self.args,
             num_units,
@@ -166,14 +166,14 @@ class DPTrainerMixin:
             num_rows=num_rows,
         )
 
-    def _user_codes(self) -> tuple[np.ndarray, int]:
+    def _user_codes(self, column: str) -> tuple[np.ndarray, int]:
         """The user code of every training row and the number of users (``privacy_unit="user"``), read once per
-        training set."""
+        training set and column."""
         cached = getattr(self, "_user_codes_cache", None)
-        if cached is None or cached[0] is not self.train_dataset:
-            cached = (self.train_dataset, *user_codes(self.train_dataset, self.args.user_column))
+        if cached is None or cached[0] is not self.train_dataset or cached[1] != column:
+            cached = (self.train_dataset, column, *user_codes(self.train_dataset, column))
             self._user_codes_cache = cached
-        return cached[1], cached[2]
+        return cached[2], cached[3]
 
     @property
     def dp_plan(self) -> DPPlan:
@@ -221,7 +221,8 @@ class DPTrainerMixin:
             seed = self.args.seed if self.args.noise_seed is not None else secrets.randbits(128)
         dataset, collator = self.train_dataset, self.data_collator
         by_user = self.dp_plan.privacy_unit == "user"
-        codes = self._user_codes()[0] if by_user else None  # read before the user column is removed
+        # the plan's column, read before the user column is removed
+        codes = self._user_codes(self.dp_plan.user_column)[0] if by_user else None
         lengths = None
         if self.args.train_sampling_strategy == "group_by_length":
             # Trainer's own LengthGroupedSampler resolves the lengths (length column, or the first model input).
@@ -560,7 +561,7 @@ class DPTrainerMixin:
                     all_reduce_sum_([count])
                 self.dp_callback.clip_norms.append(self._adaptive.clip_norm)
                 self.dp_callback.next_clip_norm = self._adaptive.update(count)
-                self.clipper.policy.max_grad_norm = self._adaptive.clip_norm
+                self.clipper.max_grad_norm = self._adaptive.clip_norm
         return loss
 
     def _trainable_parameters(self) -> list[nn.Parameter]:

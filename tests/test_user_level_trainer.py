@@ -10,6 +10,7 @@ import torch
 from dp_accounting import dp_event, rdp
 from models import VOCAB, gpt2
 from test_trainer import causal_per_example_loss, dp_args, sgd_step_args
+from transformers import TrainerCallback
 
 from hf_dp import DPTrainer
 from hf_dp.adaptive_clipping import gradient_noise_multiplier
@@ -219,8 +220,16 @@ def test_adaptive_clipping_moves_c_and_splits_the_noise(tmp_dir):
     plan = trainer.dp_plan
     assert plan.gradient_noise_multiplier == pytest.approx(gradient_noise_multiplier(1.0, 1.0))
     assert plan.gradient_noise_multiplier > plan.noise_multiplier
+    clipped_at = []  # the C the clipper clips each step at
+
+    class ClipperNorm(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            clipped_at.append(trainer.clipper.max_grad_norm)
+
+    trainer.add_callback(ClipperNorm())
     trainer.train()
     norms = trainer.dp_callback.clip_norms
+    assert clipped_at == norms  # the engine clips at the adaptive C of the step, the one the noise is scaled by
     assert len(norms) == 6 and norms[0] == 100.0
     # the noisy fraction b is 1 + N(0, 1)/L with L = 10: C moves by exp(-0.2 (b - 0.5)), about 0.905 a step
     ratios = [b / a for a, b in zip(norms, norms[1:], strict=False)]

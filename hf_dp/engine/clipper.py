@@ -127,7 +127,6 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
         if grad_sink is not None and not callable(grad_sink):
             raise TypeError(f"`grad_sink` must be a callable (param, clipped_sum), got {type(grad_sink).__name__}")
         self.model = model
-        self.max_grad_norm = self.policy.max_grad_norm
         self.mode = mode
         self.allow_fallback = allow_fallback
         self.grad_sink = grad_sink
@@ -171,6 +170,18 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
             model.register_forward_pre_hook(ModelHook(self._on_root_start), with_kwargs=True, prepend=True),
             model.register_forward_hook(ModelHook(self._on_root_end), always_call=True),
         ]
+
+    @property
+    def max_grad_norm(self) -> float:
+        """``C``, the total clipping norm (the policy's)."""
+        return self.policy.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        """Set ``C`` for the next backward pass (adaptive clipping moves it between optimizer steps)."""
+        if not value > 0:
+            raise ValueError(f"`max_grad_norm` must be > 0, got {value}.")
+        self.policy.max_grad_norm = float(value)
 
     # ------------------------------------------------------------------ public helpers
     def needs_own_passes(self, batch_size: int) -> bool:

@@ -374,6 +374,7 @@ class Units:
     slot: Tensor  # [B] long
     count: int
     width: int
+    trivial: bool = False  # one example per unit, in order: grouping changes nothing (found on the host)
 
     @classmethod
     def of(cls, codes, device: torch.device | str | None = None) -> Units:
@@ -398,16 +399,8 @@ class Units:
         slot = torch.empty_like(codes)
         slot[order] = torch.arange(codes.numel()) - starts[codes[order]]
         width = int(sizes.max()) if count else 0
-        return cls(codes.to(device), slot.to(device), count, width)
-
-    @property
-    def trivial(self) -> bool:
-        """One example per unit, in order: grouping changes nothing."""
-        return (
-            self.width <= 1
-            and self.count == self.index.numel()
-            and bool((self.index.cpu() == torch.arange(self.count)).all())
-        )
+        trivial = width <= 1 and bool((codes == torch.arange(codes.numel())).all())
+        return cls(codes.to(device), slot.to(device), count, width, trivial)
 
 
 def _group_factor(f: Factor, units: Units) -> Factor:

@@ -111,3 +111,21 @@ def test_a_training_forward_that_takes_another_path_than_eval_is_exact():
     layouts in the model's training flags with dropout off: exact in every mode (refused before)."""
     runs = list(sweep_pair("seq-cls", "xlnet", {"default": ("bk-mixopt", "bk", "ghost")}, ("default",), timeout_s=300))
     assert [r.outcome for r in runs] == ["exact"] * 3, "\n".join(r.line() for r in runs)
+
+
+def test_a_model_that_computes_in_float32_inside_is_judged_against_a_second_oracle():
+    """Mamba-2 computes its `D` skip in float32 inside a float64 model: ghost mode's clipped sum (one weighted
+    backward) and the per-example loop's `sum_i c_i g_i` then differ by float32 round-off (2.6e-6 relative, above
+    the float64 tolerance). Plain autograd's backward of `sum_i c_i L_i` differs from the loop by as much, so the run
+    is exact against that second oracle; an engine off by 1e-4 on that parameter is still wrong against both."""
+    from sweep import Run, _compare, prepare, run_mode
+
+    prep = prepare("causal-lm", "mamba2", "default")
+    run = run_mode(prep, "causal-lm", "mamba2", "ghost", "default")
+    assert run.outcome == "exact", run.line()
+    assert "float32 inside the model" in run.detail and "mixer.D" in run.detail, run.detail
+    off = {n: g.clone() for n, g in prep.clipped_sum.items()}
+    name = next(n for n in off if n.endswith("mixer.D"))
+    off[name] *= 1 + 1e-4
+    judged = _compare(Run("causal-lm", "mamba2", "ghost", "default", "exact"), prep, prep.norms.clone(), off, 1e-6)
+    assert judged.outcome == "wrong" and judged.worst == name, judged.line()

@@ -31,6 +31,11 @@ def oracle_per_example(model: nn.Module, batch: dict, loss_fn: LossFn):
     return names, grads
 
 
+def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """The oracle's per-example clip factors ``min(1, C / (||g_i|| + 1e-6))``."""
+    return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+
+
 def oracle_clipped(model: nn.Module, batches: Sequence[dict], loss_fn: LossFn, max_grad_norm: float | None):
     """Norms per batch and the accumulated clipped sum per parameter name (``max_grad_norm=None``: median)."""
     ref = copy.deepcopy(model)
@@ -40,7 +45,7 @@ def oracle_clipped(model: nn.Module, batches: Sequence[dict], loss_fn: LossFn, m
         norms = torch.stack([torch.sqrt(sum((g**2).sum() for g in gi)) for gi in grads])
         if max_grad_norm is None:  # clip some examples and not others
             max_grad_norm = float(norms.median())
-        coef = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+        coef = clip_factors(norms, max_grad_norm)
         summed = [sum(coef[i] * grads[i][k] for i in range(len(grads))) for k in range(len(names))]
         total = summed if total is None else [a + b for a, b in zip(total, summed, strict=True)]
         norms_per_batch.append(norms)

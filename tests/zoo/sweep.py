@@ -46,7 +46,7 @@ for _path in (os.path.dirname(_HERE), os.path.join(os.path.dirname(_HERE), "peer
 
 import torch  # noqa: E402
 from harness import _raised_by_hf_dp, project  # noqa: E402
-from oracle import oracle_clipped  # noqa: E402
+from oracle import clip_factors, oracle_clipped  # noqa: E402
 from shrink import MAX_PARAMS, TASKS, TooLarge, build_tiny, count_params, is_moe, task_types, tiny_config  # noqa: E402
 
 import hf_dp  # noqa: E402
@@ -474,7 +474,7 @@ def _weighted_oracle(prep: Prepared) -> dict[str, torch.Tensor]:
     an engine that matches either one is exact. Cached on ``prep``."""
     if "weighted" not in prep.extras:
         ref = copy.deepcopy(prep.model).double()
-        coef = (prep.max_grad_norm / (prep.norms + 1e-6)).clamp(max=1.0)  # the factors of `oracle_clipped`
+        coef = clip_factors(prep.norms, prep.max_grad_norm)
         with _with_dtype(torch.float64):
             ref.zero_grad(set_to_none=True)
             (prep.loss_fn(ref, prep.batch) * coef).sum().backward()

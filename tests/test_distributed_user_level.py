@@ -1,0 +1,109 @@
+"""User-level DP under data parallelism: 2 CPU processes (gloo), against a float64 per-row autograd oracle.
+
+Each rank takes whole users (``users[rank::2]``) and cuts them into its micro-batches; a rank may hold fewer users
+than micro-batches (an empty micro-batch) while the other rank runs a backward pass and its all-reduce.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from models import gpt2
+from test_distributed import _reset_accelerate_state, launch_two, single_process  # noqa: F401  (fixture)
+from test_trainer import sgd_step_args
+from test_user_level_trainer import AuthoredDataset, RecordingCollate, _row_grads, user_args
+
+
+def _run_users(
+    out_dir: str, init_path: str, result_path: str, sizes: list[int], clip: float, per_device: int, accumulation: int
+):
+    """One SGD step (lr 1, sigma 0, q 1) of user-level DPTrainer from the weights in ``init_path``; every rank saves
+    the rows of its micro-batches, the main process the weights after the step."""
+    from hf_dp import DPTrainer
+
+    _reset_accelerate_state()
+    torch.set_default_dtype(torch.float64)
+    model = gpt2().double()
+    model.load_state_dict(torch.load(init_path))
+    dataset = AuthoredDataset(sizes)
+    collate = RecordingCollate()
+    args = sgd_step_args(
+        out_dir,
+        per_sample_max_grad_norm=clip,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
+        **({"ddp_backend": "gloo"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}),
+        **user_args(out_dir, max_examples_per_user=max(sizes)),
+    )
+    trainer = DPTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate)
+    trainer.train()
+    rank = trainer.args.process_index
+    torch.save(
+        {
+            "batches": collate.batches,
+            "world_size": trainer.args.world_size,
+            "sample_rate": trainer.sample_rate,
+            "units": trainer.num_train_examples,
+            "after": {k: v.detach().clone() for k, v in model.state_dict().items()} if rank == 0 else None,
+        },
+        f"{result_path}.{rank}",
+    )
+
+
+@pytest.mark.parametrize(
+    ("sizes", "per_device", "accumulation", "empty"),
+    [
+        ([1, 2, 5, 2, 3, 1, 2, 4], 2, 2, 0),  # four users per rank, two micro-batches each
+        ([9, 1, 1, 1, 1, 1, 1, 1], 1, 4, 1),  # a large user: one micro-batch of one rank is empty
+    ],
+)
+def test_two_processes_step_is_the_mean_of_clipped_user_sums(
+    tmp_path,
+    single_process,  # noqa: F811
+    float64,
+    sizes,
+    per_device,
+    accumulation,
+    empty,
+):
+    """sigma = 0, q = 1, SGD lr 1, one step on 2 processes: every user lies whole in one micro-batch of one rank, the
+    ranks together hold every row once, and the update is -(1/U) sum_u clip(sum_{i in u} g_i) against per-row
+    autograd in float64 (C: the median user norm, so that some users are clipped and some not)."""
+    torch.manual_seed(0)
+    model = gpt2().double()
+    init = tmp_path / "init.pt"
+    torch.save(model.state_dict(), init)
+    dataset = AuthoredDataset(sizes)
+    grads = _row_grads(model, dataset, range(len(dataset)))
+    by_user: dict[str, list[int]] = {}
+    for i, author in enumerate(dataset.authors):
+        by_user.setdefault(author, []).append(i)
+    sums = {a: [sum(grads[i][j] for i in rows) for j in range(len(grads[0]))] for a, rows in by_user.items()}
+    norms = {a: float(torch.sqrt(sum((g**2).sum() for g in gs))) for a, gs in sums.items()}
+    clip = float(torch.tensor(sorted(norms.values())).median())
+    assert min(norms.values()) < clip < max(norms.values())
+
+    result = tmp_path / "result.pt"
+    launch_two(_run_users, str(tmp_path / "out"), str(init), str(result), sizes, clip, per_device, accumulation)
+    ranks = [torch.load(f"{result}.{r}") for r in (0, 1)]
+    assert all(r["world_size"] == 2 and r["sample_rate"] == 1.0 and r["units"] == len(by_user) for r in ranks)
+
+    # the non-empty micro-batches of the step (the collator never sees an empty one)
+    assert all(len(r["batches"]) <= accumulation for r in ranks)
+    step = [b for r in ranks for b in r["batches"]]
+    assert sorted(i for b in step for i in b) == list(range(len(dataset)))
+    for rows in by_user.values():
+        holding = [b for b in step if set(rows) & set(b)]
+        assert len(holding) == 1 and set(rows) <= set(holding[0])
+    assert 2 * accumulation - len(step) == empty  # the rank with the empty one skipped it without a deadlock
+
+    expected = None
+    for author, g_u in sums.items():
+        factor = min(1.0, clip / (norms[author] + 1e-6))
+        part = [factor * g for g in g_u]
+        expected = part if expected is None else [x + y for x, y in zip(expected, part, strict=True)]
+    after = ranks[0]["after"]
+    for (name, p), e in zip(model.named_parameters(), expected, strict=True):
+        torch.testing.assert_close(after[name] - p.detach(), -e / len(by_user), rtol=1e-6, atol=1e-12, msg=name)

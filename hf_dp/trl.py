@@ -96,6 +96,12 @@ def _check_sft_fields(args) -> None:
             "the accountant counts each sequence. Set `packing_strategy='wrapped'` (each packed row of `max_length` "
             "tokens is then one example: the privacy unit is a packed row), or `packing=False`."
         )
+    if args.packing and args.privacy_unit == "user":
+        raise ValueError(
+            "`packing=True` with `privacy_unit='user'`: packing concatenates the rows of different users into one "
+            "packed row (and drops the user column), so no row would belong to one user. Set `packing=False` "
+            "for user-level DP (each row then stays one user's)."
+        )
     if args.padding_free:
         raise ValueError(
             "`padding_free=True` concatenates the micro-batch into one row, which DP training would clip as one "
@@ -121,7 +127,8 @@ class DPSFTConfig(DPArgumentsMixin, SFTConfig):
         "meanings, `loss_type` included: `'nll'` or `'dft'`), plus the DP fields below.\n\n"
         "    Refused, with what to set instead: `packing=True` with the padding-free strategies `'bfd'`/`'bfd_split'` "
         "(use `packing_strategy='wrapped'`: each packed row is then the privacy unit), `padding_free=True`, "
-        "`activation_offloading=True`, and TRL loss types other than `'nll'` and `'dft'`.\n\n"
+        "`activation_offloading=True`, `packing=True` with `privacy_unit='user'` (packed rows mix users), and TRL "
+        "loss types other than `'nll'` and `'dft'`.\n\n"
         "    hf_dp's per-example loss is `dp_loss_type` (always `'causal_lm'` for SFT); TRL's `loss_type` keeps its "
         f"meaning.\n\n    Parameters:{_DP_PARAMETERS_DOC}"
     )
@@ -161,8 +168,9 @@ class DPSFTTrainer(DPTrainerMixin, _SFTTrainerInit):
     packing_strategy="wrapped"`` one packed row of ``max_length`` tokens. With packing the guarantee is with respect
     to the packed rows, not the original documents: a document cut over several rows, or the addition or removal of
     one document (which re-cuts every later row), is not covered as one unit. The model card's unit line says so.
-    Padding-free packing (``packing_strategy="bfd"``, TRL's default for ``packing=True``) and ``padding_free=True``
-    are refused before training.
+    With ``privacy_unit="user"`` the unit is every row of one user (the user column passes through TRL's preparation);
+    packing is then refused, since a packed row mixes users. Padding-free packing (``packing_strategy="bfd"``, TRL's
+    default for ``packing=True``) and ``padding_free=True`` are refused before training.
 
     Training metrics TRL logs from the training batches (``entropy``, ``mean_token_accuracy``, ``num_tokens``) are
     not computed during DP steps (they would be un-noised statistics of the training data); evaluation is TRL's

@@ -6,7 +6,8 @@ tokenisation, the collator, ``peft_config``, the reference model (a frozen copy 
 ``ref_model``, the PEFT base model with the adapter disabled, or ``precompute_ref_log_probs``) and evaluation are
 TRL's.
 
-The unit of privacy is one preference pair ``(prompt, chosen, rejected)``. The training step is hf_dp's
+The unit of privacy is one preference pair ``(prompt, chosen, rejected)``, or with ``privacy_unit="user"`` every pair
+of one user (``user_column``; the user's pairs are clipped together). The training step is hf_dp's
 (:class:`~hf_dp.core.DPTrainerMixin`), with one loss per pair: TRL concatenates the chosen and rejected sequences of a
 micro-batch into one forward pass of ``2B`` rows; a DP step instead arranges the batch as ``B`` pairs ``[B, 2, T]`` and
 runs the policy twice (the chosen rows, then the rejected rows: ``B`` rows each, both passes book-kept by the engine),
@@ -47,6 +48,7 @@ from .arguments import _DP_PARAMETERS_DOC, DPArgumentsMixin
 from .collators import is_empty_batch
 from .core import DPTrainerMixin
 from .losses import IGNORE_INDEX, LOSS_TYPES
+from .privacy_unit import UNIT_KEY
 from .trl import _UNIT_ROW, _quiet_model_init_kwargs_warning, prepare_trl_init
 
 logger = logging.getLogger("hf_dp")
@@ -179,7 +181,7 @@ class _PairPolicy:
 
 class DPDPOTrainer(DPTrainerMixin, _DPOTrainerInit):
     """Drop-in replacement for TRL's :class:`~trl.DPOTrainer` that trains with (epsilon, delta)-differential privacy,
-    the unit of privacy being one preference pair.
+    the unit of privacy being one preference pair (or every pair of one user, with ``privacy_unit="user"``).
 
     Takes DPOTrainer's arguments (``model`` as a Hub id, a local path or a model object; ``ref_model``;
     ``peft_config``; ``quantization_config``; ...) with ``args`` a :class:`DPDPOConfig`. Standard and conversational
@@ -291,7 +293,8 @@ class DPDPOTrainer(DPTrainerMixin, _DPOTrainerInit):
         if rows % 2:
             raise ValueError(f"A preference batch has chosen and rejected rows (an even number), got {rows}.")
         batch = dict(inputs)
-        for key, value in inputs.items():
+        units = batch.pop(UNIT_KEY, None)  # privacy_unit="user": one user code per pair, kept on the host
+        for key, value in list(batch.items()):
             if key in _ROW_KEYS:
                 batch[key] = torch.stack(value.chunk(2, dim=0), dim=1)  # [B, 2, T]: pair i's chosen and rejected rows
             elif key not in _REF_KEYS and isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -302,6 +305,8 @@ class DPDPOTrainer(DPTrainerMixin, _DPOTrainerInit):
         if not all(key in batch for key in _REF_KEYS):
             batch = self._prepare_inputs(batch)
             batch["ref_chosen_logps"], batch["ref_rejected_logps"] = self.reference_log_probs(batch)
+        if units is not None:
+            batch[UNIT_KEY] = units
         return batch
 
     @torch.no_grad()

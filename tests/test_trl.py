@@ -341,6 +341,41 @@ def with_authors(dataset):
     return dataset.add_column("author", AUTHORS)
 
 
+USER_LEVEL = {
+    "privacy_unit": "user",
+    "user_column": "author",
+    "max_examples_per_user": 3,
+    "per_device_train_batch_size": 2,  # 2 x 2 micro-batches = the 4 users: q = 1
+    "gradient_accumulation_steps": 2,
+}
+
+
+def check_user_level_update(trainer, loss):
+    """The trainer's one SGD step (sigma 0, q 1 over the users of :data:`AUTHORS`) equals
+    ``-(1/U) sum_u clip(sum_{i in u} g_i)``, ``g_i`` the float64 autograd gradient of ``loss(row_i)`` on the rows TRL
+    prepared (C: the median user norm, so that some users are clipped and some not)."""
+    rows = trainer.train_dataset
+    users = sorted(set(AUTHORS))
+    assert rows["author"] == AUTHORS and trainer.sample_rate == 1.0 and trainer.num_train_examples == len(users)
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    grads = []
+    for i in range(len(rows)):
+        g = torch.autograd.grad(loss(rows[i]), params, allow_unused=True)
+        grads.append([torch.zeros_like(p) if gi is None else gi for gi, p in zip(g, params, strict=True)])
+    sums = [[sum(grads[i][k] for i, a in enumerate(AUTHORS) if a == u) for k in range(len(params))] for u in users]
+    norms = torch.stack([torch.sqrt(sum((g**2).sum() for g in gu)) for gu in sums])
+    clip = float(norms.median())
+    assert (norms > clip).any() and (norms < clip).any()
+    coef = (clip / (norms + 1e-6)).clamp(max=1.0)
+    expected = [sum(coef[u] * sums[u][k] for u in range(len(users))) / len(users) for k in range(len(params))]
+    trainer.args.per_sample_max_grad_norm = clip  # resolved into the plan when train() starts
+    before = [p.detach().clone() for p in params]
+    trainer.train()
+    assert trainer.dp_callback.steps == 1
+    for b, p, e in zip(before, params, expected, strict=True):
+        torch.testing.assert_close(p.detach() - b, -e, rtol=1e-6, atol=1e-10)
+
+
 class TestUserLevelSFT:
     @pytest.mark.parametrize("data", [text_data, prompt_completion_data, conversation_data])
     def test_one_step_is_the_mean_of_clipped_user_sums(self, float64, tmp_dir, data):
@@ -348,49 +383,16 @@ class TestUserLevelSFT:
         step (sigma 0, q 1 over 4 users, 2 micro-batches) is -(1/U) sum_u clip(sum_{i in u} g_i) against per-row
         float64 autograd on the rows TRL prepared (C: the median user norm)."""
         torch.manual_seed(0)
-        args = sft_args(
-            tmp_dir,
-            privacy_unit="user",
-            user_column="author",
-            max_examples_per_user=3,
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=2,
-        )
+        args = sft_args(tmp_dir, **USER_LEVEL)
         trainer = DPSFTTrainer(
             model=gpt2(), args=args, train_dataset=with_authors(data()), processing_class=tokenizer()
         )
-        model, rows = trainer.model, trainer.train_dataset
-        assert rows["author"] == AUTHORS and trainer.sample_rate == 1.0 and trainer.num_train_examples == 4
-        params = [p for p in model.parameters() if p.requires_grad]
-        grads = []
-        for i in range(len(rows)):
-            g = torch.autograd.grad(row_loss(model, rows[i]), params, allow_unused=True)
-            grads.append([torch.zeros_like(p) if gi is None else gi for gi, p in zip(g, params, strict=True)])
-        users = sorted(set(AUTHORS))
-        sums = [[sum(grads[i][k] for i, a in enumerate(AUTHORS) if a == u) for k in range(len(params))] for u in users]
-        norms = torch.stack([torch.sqrt(sum((g**2).sum() for g in gu)) for gu in sums])
-        clip = float(norms.median())
-        assert (norms > clip).any() and (norms < clip).any()
-        coef = (clip / (norms + 1e-6)).clamp(max=1.0)
-        expected = [sum(coef[u] * sums[u][k] for u in range(len(users))) / len(users) for k in range(len(params))]
-        trainer.args.per_sample_max_grad_norm = clip
-        before = [p.detach().clone() for p in params]
-        trainer.train()
-        assert trainer.dp_callback.steps == 1
-        for b, p, e in zip(before, params, expected, strict=True):
-            torch.testing.assert_close(p.detach() - b, -e, rtol=1e-6, atol=1e-10)
+        check_user_level_update(trainer, lambda row: row_loss(trainer.model, row))
 
     def test_packing_is_refused(self, tmp_dir):
         """Packed rows mix users (and TRL drops the user column): refused with what to set, before any data work."""
         with pytest.raises(ValueError, match="packing=False"):
-            sft_args(
-                tmp_dir,
-                privacy_unit="user",
-                user_column="author",
-                max_examples_per_user=3,
-                packing=True,
-                packing_strategy="wrapped",
-            )
+            sft_args(tmp_dir, **USER_LEVEL, packing=True, packing_strategy="wrapped")
 
 
 class TestRefusals:

@@ -294,43 +294,17 @@ def test_per_pair_loss_equals_trl_loss_of_the_pair_alone(float64, tmp_dir, setti
 
 def test_user_level_step_is_the_mean_of_clipped_user_sums(float64, tmp_dir):
     """privacy_unit='user' through DPDPOTrainer: the user column passes through TRL's preparation and the pairing of
-    the batch, and one SGD step (sigma 0, q 1 over 4 users of 3, 2, 2 and 1 pairs, 2 micro-batches) is
-    -(1/U) sum_u clip(sum_{i in u} g_i) over the pairs' own DPO losses in float64 (C: the median user norm)."""
-    from test_trl import AUTHORS
+    the batch, and one SGD step (sigma 0, q 1 over 4 users of 3, 2, 2 and 1 pairs) is -(1/U) sum_u clip(sum_{i in u}
+    g_i) over the pairs' own DPO losses in float64 (C: the median user norm); the card names the unit."""
+    from test_trl import AUTHORS, USER_LEVEL, check_user_level_update
 
     torch.manual_seed(0)
     policy = gpt2()
     reference = model_reference(_frozen(policy))
-    args = dpo_args(
-        tmp_dir,
-        privacy_unit="user",
-        user_column="author",
-        max_examples_per_user=3,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-    )
+    args = dpo_args(tmp_dir, **USER_LEVEL)
     data = preference_data().add_column("author", AUTHORS)
     trainer = DPDPOTrainer(model=policy, args=args, train_dataset=data, processing_class=tokenizer())
-    rows = trainer.train_dataset
-    assert rows["author"] == AUTHORS and trainer.sample_rate == 1.0 and trainer.num_train_examples == 4
-    params = [p for p in policy.parameters() if p.requires_grad]
-    grads = []
-    for i in range(len(rows)):
-        g = torch.autograd.grad(pair_loss(policy, reference, rows[i], args.beta), params, allow_unused=True)
-        grads.append([torch.zeros_like(p) if gi is None else gi for gi, p in zip(g, params, strict=True)])
-    users = sorted(set(AUTHORS))
-    sums = [[sum(grads[i][k] for i, a in enumerate(AUTHORS) if a == u) for k in range(len(params))] for u in users]
-    norms = torch.stack([torch.sqrt(sum((g**2).sum() for g in gu)) for gu in sums])
-    clip = float(norms.median())
-    assert (norms > clip).any() and (norms < clip).any()
-    coef = (clip / (norms + 1e-6)).clamp(max=1.0)
-    expected = [sum(coef[u] * sums[u][k] for u in range(len(users))) / len(users) for k in range(len(params))]
-    trainer.args.per_sample_max_grad_norm = clip
-    before = [p.detach().clone() for p in params]
-    trainer.train()
-    assert trainer.dp_callback.steps == 1
-    for b, p, e in zip(before, params, expected, strict=True):
-        torch.testing.assert_close(p.detach() - b, -e, rtol=1e-6, atol=1e-10)
+    check_user_level_update(trainer, lambda row: pair_loss(policy, reference, row, args.beta))
     assert "one user (column `author`)" in trainer.dp_model_card_section()
 
 

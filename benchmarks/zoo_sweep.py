@@ -99,6 +99,14 @@ def summary(runs: list[Run], elapsed: float, argv: str) -> str:
             lines.append(
                 f"| {name} | {statistics.median(xs):.2f}x | {xs[int(0.9 * (len(xs) - 1))]:.2f}x | {xs[-1]:.2f}x |"
             )
+        lines.append("\n## Cost per run (exact runs, the same ratios)\n")
+        lines.append("| task | type | mode | variant | steady state | first step |")
+        lines.append("|---|---|---|---|---|---|")
+        for r in sorted(timed, key=lambda r: (r.task, r.model_type, r.mode, r.variant)):
+            lines.append(
+                f"| {r.task} | {r.model_type} | {r.mode} | {r.variant} | {r.steady_s / r.plain_s:.2f}x "
+                f"| {r.first_s / r.plain_s:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -36,6 +36,23 @@ def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
     return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
 
 
+def clipped_unit_mean(row_grads: Sequence[list], units: Sequence) -> tuple[list, float, torch.Tensor]:
+    """A user-level step's oracle: each unit's gradient ``sum_{i in u} g_i`` (``row_grads[i]``: row ``i``'s
+    per-parameter gradients, ``units[i]``: its unit) clipped at C, the median unit norm (some units clipped, some not),
+    then the mean over the units. Returns ``(mean per parameter, C, unit norms)``."""
+    order = list(dict.fromkeys(units))
+    sums = [
+        [sum(g[k] for g, u in zip(row_grads, units, strict=True) if u == unit) for k in range(len(row_grads[0]))]
+        for unit in order
+    ]
+    norms = torch.stack([torch.sqrt(sum((g**2).sum() for g in gs)) for gs in sums])
+    clip = float(norms.median())
+    assert (norms > clip).any() and (norms < clip).any()
+    coef = clip_factors(norms, clip)
+    mean = [sum(coef[u] * sums[u][k] for u in range(len(order))) / len(order) for k in range(len(row_grads[0]))]
+    return mean, clip, norms
+
+
 def oracle_clipped(model: nn.Module, batches: Sequence[dict], loss_fn: LossFn, max_grad_norm: float | None):
     """Norms per batch and the accumulated clipped sum per parameter name (``max_grad_norm=None``: median)."""
     ref = copy.deepcopy(model)

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 from models import gpt2
+from oracle import clipped_unit_mean
 from test_distributed import _reset_accelerate_state, launch_two, single_process  # noqa: F401  (fixture)
 from test_fsdp import _allow_fsdp_on_cpu, _full_state
 from test_trainer import sgd_step_args
@@ -109,13 +110,10 @@ def test_two_processes_step_is_the_mean_of_clipped_user_sums(
     torch.save(model.state_dict(), init)
     dataset = AuthoredDataset(sizes)
     grads = _row_grads(model, dataset, range(len(dataset)))
+    expected, clip, _ = clipped_unit_mean([grads[i] for i in range(len(dataset))], dataset.authors)
     by_user: dict[str, list[int]] = {}
     for i, author in enumerate(dataset.authors):
         by_user.setdefault(author, []).append(i)
-    sums = {a: [sum(grads[i][j] for i in rows) for j in range(len(grads[0]))] for a, rows in by_user.items()}
-    norms = {a: float(torch.sqrt(sum((g**2).sum() for g in gs))) for a, gs in sums.items()}
-    clip = float(torch.tensor(sorted(norms.values())).median())
-    assert min(norms.values()) < clip < max(norms.values())
 
     result = tmp_path / "result.pt"
     launch_two(_run_users, str(tmp_path / "out"), str(init), str(result), sizes, clip, per_device, accumulation, fsdp)
@@ -136,11 +134,6 @@ def test_two_processes_step_is_the_mean_of_clipped_user_sums(
         assert len(holding) == 1 and set(rows) <= set(holding[0])
     assert 2 * accumulation - len(step) == empty  # and the other rank's backward pass went on without a deadlock
 
-    expected = None
-    for author, g_u in sums.items():
-        factor = min(1.0, clip / (norms[author] + 1e-6))
-        part = [factor * g for g in g_u]
-        expected = part if expected is None else [x + y for x, y in zip(expected, part, strict=True)]
     after = ranks[0]["after"]
     for (name, p), e in zip(model.named_parameters(), expected, strict=True):
-        torch.testing.assert_close(after[name] - p.detach(), -e / len(by_user), rtol=1e-6, atol=1e-12, msg=name)
+        torch.testing.assert_close(after[name] - p.detach(), -e, rtol=1e-6, atol=1e-12, msg=name)

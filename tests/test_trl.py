@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
+from oracle import clipped_unit_mean  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from hf_dp import DPSeq2SeqTrainingArguments, DPTrainingArguments  # noqa: E402
@@ -355,19 +356,13 @@ def check_user_level_update(trainer, loss):
     ``-(1/U) sum_u clip(sum_{i in u} g_i)``, ``g_i`` the float64 autograd gradient of ``loss(row_i)`` on the rows TRL
     prepared (C: the median user norm, so that some users are clipped and some not)."""
     rows = trainer.train_dataset
-    users = sorted(set(AUTHORS))
-    assert rows["author"] == AUTHORS and trainer.sample_rate == 1.0 and trainer.num_train_examples == len(users)
+    assert rows["author"] == AUTHORS and trainer.sample_rate == 1.0 and trainer.num_train_examples == len(set(AUTHORS))
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     grads = []
     for i in range(len(rows)):
         g = torch.autograd.grad(loss(rows[i]), params, allow_unused=True)
         grads.append([torch.zeros_like(p) if gi is None else gi for gi, p in zip(g, params, strict=True)])
-    sums = [[sum(grads[i][k] for i, a in enumerate(AUTHORS) if a == u) for k in range(len(params))] for u in users]
-    norms = torch.stack([torch.sqrt(sum((g**2).sum() for g in gu)) for gu in sums])
-    clip = float(norms.median())
-    assert (norms > clip).any() and (norms < clip).any()
-    coef = (clip / (norms + 1e-6)).clamp(max=1.0)
-    expected = [sum(coef[u] * sums[u][k] for u in range(len(users))) / len(users) for k in range(len(params))]
+    expected, clip, _ = clipped_unit_mean(grads, AUTHORS)
     trainer.args.per_sample_max_grad_norm = clip  # resolved into the plan when train() starts
     before = [p.detach().clone() for p in params]
     trainer.train()

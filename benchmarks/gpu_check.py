@@ -591,7 +591,7 @@ def train_update(args, base, precision: str, out_dir: str) -> tuple[dict, list, 
 def job_precision(args, send, *, precision: str) -> dict:
     import torch
 
-    from hf_dp.loss_scale import NoisedOverflowScalePolicy
+    from hf_dp.step.loss_scale import NoisedOverflowScalePolicy
 
     setup_child(args)
     if args.device.startswith("cuda"):  # the fp32 reference in true fp32

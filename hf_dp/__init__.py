@@ -1,26 +1,47 @@
-"""hf_dp: differentially private fine-tuning of Hugging Face models with book-keeping clipping."""
+"""hf_dp: differentially private fine-tuning of Hugging Face models with book-keeping clipping.
 
-__version__ = "0.1.0"
+The package follows the data path (``docs/architecture.md``): ``sampling/`` (Poisson logical batches) ->
+``losses.py`` (one loss per example) -> ``engine/`` + ``layers/`` (book-kept clipping) -> ``step/`` (noise, once per
+logical step) -> ``accounting/`` + ``ledger/`` (the privacy spent) -> ``release/`` (what leaves the process), with
+``plan/`` (the frozen settings of a run) and ``trainers/`` (thin ``Trainer`` subclasses over all of it).
+"""
 
-from .arguments import DPSeq2SeqTrainingArguments, DPTrainingArguments  # noqa: E402
-from .callback import DPCallback  # noqa: E402
-from .engine import CLIPPING_MODES, BookKeepingClipper, SelfCheckError  # noqa: E402
-from .layers import LayerRule, UnsupportedModuleError, register_rule  # noqa: E402
-from .sampler import PoissonBatchSampler  # noqa: E402
-from .seq2seq import DPSeq2SeqTrainer  # noqa: E402
-from .trainer import DPTrainer  # noqa: E402
+from __future__ import annotations
 
-#: Names served by :mod:`hf_dp.trl` (imported on first use, so that ``import hf_dp`` never imports TRL).
-_TRL_NAMES = ("DPDPOConfig", "DPDPOTrainer", "DPSFTConfig", "DPSFTTrainer")
+import importlib
+from typing import Any
+
+from ._moved import install_moved_module_aliases
+from .arguments import DPSeq2SeqTrainingArguments, DPTrainingArguments
+from .engine import CLIPPING_MODES, BookKeepingClipper, SelfCheckError
+from .layers import LayerRule, UnsupportedModuleError, register_rule
+from .ledger.callback import DPCallback
+from .sampling.poisson import PoissonBatchSampler
+from .trainers.seq2seq import DPSeq2SeqTrainer
+from .trainers.trainer import DPTrainer
+from .version import __version__ as __version__
+
+#: Public names imported on first use, from the module that defines them (trl's ``_import_structure``): the TRL
+#: trainers, so that ``import hf_dp`` never imports TRL.
+_LAZY_NAMES = {
+    "DPDPOConfig": "hf_dp.trainers.dpo_config",
+    "DPDPOTrainer": "hf_dp.trainers.dpo_trainer",
+    "DPSFTConfig": "hf_dp.trainers.sft_config",
+    "DPSFTTrainer": "hf_dp.trainers.sft_trainer",
+}
 
 
-def __getattr__(name: str):
-    if name in _TRL_NAMES:
-        from . import trl
-
-        return getattr(trl, name)
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_NAMES:
+        return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY_NAMES])
+
+
+install_moved_module_aliases()
 
 __all__ = [
     "CLIPPING_MODES",

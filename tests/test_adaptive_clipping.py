@@ -12,7 +12,7 @@ from scipy import special, stats
 
 from hf_dp.accounting import epsilon
 from hf_dp.accounting.analysis.rdp import DEFAULT_ORDERS, rdp_to_epsilon, subsampled_gaussian_rdp
-from hf_dp.adaptive_clipping import (
+from hf_dp.step.adaptive_clipping import (
     QuantileClipping,
     centered_unclipped_count,
     default_count_noise_multiplier,

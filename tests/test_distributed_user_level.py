@@ -34,7 +34,7 @@ def _run_users(
     the rows of its micro-batches and the kind of each (a batch, empty, or FSDP2's placeholder), the main process the
     weights after it."""
     from hf_dp import DPTrainer
-    from hf_dp.collators import PLACEHOLDER_KEY, is_empty_batch
+    from hf_dp.sampling.collators import PLACEHOLDER_KEY, is_empty_batch
 
     _allow_fsdp_on_cpu()
     _reset_accelerate_state()

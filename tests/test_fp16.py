@@ -1,5 +1,5 @@
 """fp16 end to end on CPU (torch 2.13: fp16 autocast and GradScaler("cpu")): K-scaled clipping, and a loss scale
-that backs off on the noised count of overflowed examples (hf_dp.loss_scale)."""
+that backs off on the noised count of overflowed examples (hf_dp.step.loss_scale)."""
 
 import copy
 
@@ -9,7 +9,7 @@ from models import gpt2
 from test_trainer import ToyDataset, collate, dp_args, sgd_step_args
 
 from hf_dp import DPTrainer
-from hf_dp.loss_scale import NoisedOverflowScalePolicy
+from hf_dp.step.loss_scale import NoisedOverflowScalePolicy
 
 
 def with_cpu_fp16(trainer: DPTrainer, init_scale: float) -> DPTrainer:

@@ -70,8 +70,8 @@ def _run(
     from transformers import TrainerCallback
 
     from hf_dp import DPTrainer
-    from hf_dp.collators import is_empty_batch
     from hf_dp.engine import SelfCheckError
+    from hf_dp.sampling.collators import is_empty_batch
 
     _allow_fsdp_on_cpu()
     _reset_accelerate_state()
@@ -301,7 +301,7 @@ def _engine_case(case, rank, world):
     from torch.distributed.fsdp import fully_shard
 
     from hf_dp.engine import BookKeepingClipper
-    from hf_dp.fsdp import FSDP2Clipping
+    from hf_dp.step.fsdp import FSDP2Clipping
 
     name, data, block, mode, style, fn = case
     builders = {
@@ -373,7 +373,7 @@ def _hsdp_refused(world) -> float:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from hf_dp.fsdp import FSDP2Clipping
+    from hf_dp.step.fsdp import FSDP2Clipping
 
     model = models.gpt2()
     fully_shard(model, mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard")))
@@ -438,7 +438,7 @@ def test_unsupported_fsdp_settings_are_refused(tmp_path, single_process, overrid
 
 
 def test_deepspeed_is_refused_with_fsdp2_pointer(tmp_path, single_process):
-    from hf_dp.checks import check_before_init
+    from hf_dp.plan.checks import check_before_init
 
     args = dp_args(str(tmp_path))
     args.deepspeed = {"zero_optimization": {"stage": 2}}  # set after init: building the DeepSpeed plugin needs it

@@ -15,9 +15,8 @@ from test_trainer import ToyDataset, collate, dp_args
 from transformers import TrainerCallback
 
 from hf_dp import DPTrainer
-from hf_dp import core as dp_core
 from hf_dp.accounting import epsilon as accounting_epsilon
-from hf_dp.ledger import (
+from hf_dp.ledger.ledger import (
     KEY_NAME,
     LEDGER_NAME,
     CheckpointDPStateError,
@@ -26,8 +25,9 @@ from hf_dp.ledger import (
     fingerprint_mismatch,
     ledger_history,
 )
-from hf_dp.noise import NoiseSource
-from hf_dp.privacy_plan import DPPlan, FrozenSettingsError
+from hf_dp.plan.privacy_plan import DPPlan, FrozenSettingsError
+from hf_dp.step.noise import NoiseSource
+from hf_dp.trainers import mixin as dp_core
 
 DELTA = 1 / 80  # N = 40 in every test here: delta = 1 / (2N); q = 8 / 40
 

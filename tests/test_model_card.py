@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dp.model_card import (
+from hf_dp.release.model_card import (
     DPModelCardData,
     card_tags,
     format_bound,
@@ -328,14 +328,14 @@ for name, location in [("zip", wheel), ("target", target)]:
     sys.path[:] = [location, *site] + [p for p in sys.path if p != location and p not in site]
     importlib.invalidate_caches()
     import hf_dp
-    from hf_dp.model_card import DPModelCardData, render_dp_section, write_dp_model_card
+    from hf_dp.release.model_card import DPModelCardData, render_dp_section, write_dp_model_card
     data = DPModelCardData(
         epsilons={"prv": 2.5, "gdp": 2.1}, accountant="prv", delta=1e-5, expected_batch_size=64, num_examples=1000,
         max_grad_norm=0.1, clipping_mode="bk", poisson_sampling=True, optimizer="AdamW", segments=[(1.0, 0.064, 30)],
     )
     out = os.path.join(os.getcwd(), name)
     write_dp_model_card(out, render_dp_section(data))
-    results[name] = {"file": hf_dp.model_card.__file__, "card": open(os.path.join(out, "README.md")).read()}
+    results[name] = {"file": hf_dp.release.model_card.__file__, "card": open(os.path.join(out, "README.md")).read()}
 print(json.dumps({"results": results, "sys_path": sys.path}))
 """
 

@@ -13,8 +13,8 @@ from models import gpt2
 from test_trainer import ToyDataset, collate, dp_args
 
 from hf_dp import DPTrainer
-from hf_dp.noise import NoiseSource
-from hf_dp.release import released_log_history
+from hf_dp.release.filter import released_log_history
+from hf_dp.step.noise import NoiseSource
 
 UNRELEASED_KEYS = ("loss", "train_loss", "num_input_tokens_seen", "total_flos", "train_runtime")
 

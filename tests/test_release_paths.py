@@ -23,8 +23,8 @@ from test_trainer import ToyDataset, collate, dp_args
 
 from hf_dp import DPTrainer
 from hf_dp.accounting import epsilon as accounted_epsilon
-from hf_dp.eval_overlap import REFUSE_FRACTION, EvalOverlap, find_eval_overlap, row_digest, selection_settings
-from hf_dp.model_card import format_bound
+from hf_dp.release.eval_overlap import REFUSE_FRACTION, EvalOverlap, find_eval_overlap, row_digest, selection_settings
+from hf_dp.release.model_card import format_bound
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin")
 
@@ -190,7 +190,7 @@ def test_every_upload_of_weights_carries_the_card_of_that_moment(tmp_dir, hub, h
         if prefix:  # a checkpoint folder: its state is of the same step as its card
             state = json.loads(files[os.path.join(prefix, "trainer_state.json")])
             assert state["global_step"] == steps
-        for name, raw in files.items():  # and hf_dp.release's filter still holds on every pushed file
+        for name, raw in files.items():  # and hf_dp.release.filter's filter still holds on every pushed file
             if name.endswith(".json"):
                 for key, value in keys_in(json.loads(raw)):
                     assert key not in UNRELEASED_KEYS or value == 0, (name, key, value)

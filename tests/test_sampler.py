@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from hf_dp import PoissonBatchSampler
-from hf_dp.collators import EmptyBatchSafeCollator, is_empty_batch
+from hf_dp.sampling.collators import EmptyBatchSafeCollator, is_empty_batch
 
 
 def logical_batches(sampler):

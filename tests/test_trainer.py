@@ -13,7 +13,7 @@ from transformers import HfArgumentParser, TrainerCallback, TrainingArguments
 from hf_dp import DPTrainer, DPTrainingArguments
 from hf_dp.accounting import epsilon as accounting_epsilon
 from hf_dp.accounting import noise_multiplier as calibrate
-from hf_dp.model_card import format_bound
+from hf_dp.release.model_card import format_bound
 
 SEQ = 8
 

@@ -14,9 +14,9 @@ from transformers.trainer_pt_utils import LayerWiseDummyOptimizer
 from transformers.training_args import OptimizerNames
 
 from hf_dp import DPTrainer
-from hf_dp.batch_checks import NUM_EXAMPLES_KEY, PACKING_KEYS, position_ids_restart
-from hf_dp.checks import backward_stepping_optims
-from hf_dp.sampler import PoissonBatchSampler
+from hf_dp.plan.checks import backward_stepping_optims
+from hf_dp.sampling.batch_checks import NUM_EXAMPLES_KEY, PACKING_KEYS, position_ids_restart
+from hf_dp.sampling.poisson import PoissonBatchSampler
 
 
 def snapshot(model):

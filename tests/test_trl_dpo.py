@@ -397,7 +397,7 @@ def test_lazy_exports():
     code = (
         "import sys, hf_dp; assert 'trl' not in sys.modules; "
         "from hf_dp import DPDPOConfig, DPDPOTrainer; assert 'trl' in sys.modules; "
-        "import hf_dp.trl_dpo as m; assert m.DPDPOTrainer is DPDPOTrainer"
+        "import hf_dp.trainers.dpo_trainer as m; assert m.DPDPOTrainer is DPDPOTrainer"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -13,7 +13,7 @@ from test_trainer import causal_per_example_loss, dp_args, sgd_step_args
 from transformers import TrainerCallback
 
 from hf_dp import DPTrainer
-from hf_dp.adaptive_clipping import gradient_noise_multiplier
+from hf_dp.step.adaptive_clipping import gradient_noise_multiplier
 
 SEQ = 8
 

@@ -6,8 +6,8 @@ import pytest
 from scipy import stats
 from torch.utils.data import DataLoader
 
-from hf_dp.sampler import PoissonBatchSampler
-from hf_dp.user_sampler import PoissonUserBatchSampler, encode_users
+from hf_dp.sampling.poisson import PoissonBatchSampler
+from hf_dp.sampling.users import PoissonUserBatchSampler, encode_users
 
 
 def per_draw(sampler):

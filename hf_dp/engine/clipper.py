@@ -82,7 +82,7 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
         registered_parameters (`Mapping[nn.Parameter, nn.Parameter]`, *optional*): for a model whose modules hold
             other parameters during the forward pass than between steps (FSDP2 swaps each sharded parameter for an
             unsharded one): the registered parameter of each parameter the forward pass uses. The clipper must be
-            built while the model holds the used ones (:mod:`hf_dp.fsdp` does this).
+            built while the model holds the used ones (:mod:`hf_dp.step.fsdp` does this).
 
     Raises:
         UnsupportedModuleError: BatchNorm anywhere in the model, or a trainable parameter no rule covers (at

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from transformers import Trainer
 
-from .arguments import DPTrainingArguments
-from .core import DPTrainerMixin
+from ..arguments import DPTrainingArguments
+from .mixin import DPTrainerMixin
 
 __all__ = ["DPTrainer"]
 

@@ -2,10 +2,10 @@
 
 With ``privacy_unit="user"`` the unit of the guarantee is the user named by ``user_column``. The training set's
 column is read once when the plan is resolved (:func:`user_codes`: a code ``0 .. U-1`` per row, ``N = U``); the
-sampler (:class:`~hf_dp.user_sampler.PoissonUserBatchSampler`) draws users and at most ``k`` rows of each, all in one
+sampler (:class:`~hf_dp.sampling.users.PoissonUserBatchSampler`) draws users and at most ``k`` rows of each, all in one
 micro-batch; each row carries its user's code to the collator (:class:`UnitTaggedDataset`), which renumbers the
-codes of a micro-batch ``0 .. u-1`` (:class:`~hf_dp.collators.EmptyBatchSafeCollator`), so that the clipper clips
-the sum of each user's per-example gradients as one (``BookKeepingClipper.prepare(loss, units=...)``). The codes
+codes of a micro-batch ``0 .. u-1`` (:class:`~hf_dp.sampling.collators.EmptyBatchSafeCollator`), so that the clipper
+clips the sum of each user's per-example gradients as one (``BookKeepingClipper.prepare(loss, units=...)``). The codes
 travel on the host: no device read.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .user_sampler import encode_users
+from .users import encode_users
 
 __all__ = ["UNIT_KEY", "UnitTaggedDataset", "user_codes"]
 

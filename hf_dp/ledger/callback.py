@@ -9,11 +9,11 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .accounting import PrivacyAccountant
-from .accounting.methods import segments_epsilon
+from ..accounting import PrivacyAccountant
+from ..accounting.methods import segments_epsilon
+from ..plan.privacy_plan import DPPlan
+from ..release.filter import release_state
 from .ledger import PrivacyLedger
-from .privacy_plan import DPPlan
-from .release import release_state
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +36,12 @@ class DPCallback(TrainerCallback, ExportableState):
     callback rebuilt from a checkpoint never accounts future steps with the checkpoint's settings. With the frozen
     plan, the callback checks at every optimizer step (begin and end) and at the end of training that the arguments'
     privacy settings still are the plan's (:meth:`DPPlan.check_unchanged`), and it appends every recorded step to the
-    run's privacy ledger (:class:`~hf_dp.ledger.PrivacyLedger`) when it records it (``fsync``-ed at saves and at the
-    end of training).
+    run's privacy ledger (:class:`~hf_dp.ledger.ledger.PrivacyLedger`) when it records it (``fsync``-ed at saves and at
+    the end of training).
 
     Saved with checkpoints besides the history: ``run_id`` (the run's identity in the ledger) and
-    ``data_fingerprint`` (:func:`~hf_dp.ledger.data_fingerprint` of the training set), which a resume checks; with
-    adaptive clipping, the clipping norm of every step and of the next one (noisy releases: post-processing).
+    ``data_fingerprint`` (:func:`~hf_dp.ledger.ledger.data_fingerprint` of the training set), which a resume checks;
+    with adaptive clipping, the clipping norm of every step and of the next one (noisy releases: post-processing).
     """
 
     def __init__(self) -> None:
@@ -151,7 +151,7 @@ class DPCallback(TrainerCallback, ExportableState):
         self.accountant.step(1, noise_multiplier=noise_multiplier, sample_rate=sample_rate)
 
     def check_settings(self, args, step: int | None = None) -> None:
-        """Raise :class:`~hf_dp.privacy_plan.FrozenSettingsError` if the privacy settings of ``args`` are no longer
+        """Raise :class:`~hf_dp.plan.privacy_plan.FrozenSettingsError` if the privacy settings of ``args`` are no longer
         those of the run's frozen plan (no-op outside ``train()``)."""
         if self._frozen is not None:
             self._frozen.check_unchanged(args, step=step)

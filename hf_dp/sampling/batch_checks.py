@@ -16,7 +16,7 @@ This module checks, for every micro-batch of a DP step:
   run, none per micro-batch). Packing is a property of the collator or of the prepared dataset, the same for every
   batch; a collator that merges rows only sometimes is caught by the next check;
 - the number of per-example losses equals the number of examples the Poisson sampler put in the micro-batch:
-  :class:`~hf_dp.collators.EmptyBatchSafeCollator` records ``len(features)`` in the batch under
+  :class:`~hf_dp.sampling.collators.EmptyBatchSafeCollator` records ``len(features)`` in the batch under
   :data:`NUM_EXAMPLES_KEY` (a Python int, so comparing it with the loss's ``shape[0]`` needs no device sync).
 
 The collator itself is checked before training (:func:`check_collator`), so the usual cases fail before the model is

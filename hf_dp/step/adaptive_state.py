@@ -4,8 +4,8 @@ Per micro-batch the centred count ``sum_u (1[||g_u|| <= C] - 1/2)`` of its units
 read); at the optimizer step the trainer noises it with the gradient (``N(0, sigma_count^2)``, from the same secret
 stream), sums it over processes, and :meth:`AdaptiveClippingState.update` reads it once (one host sync per optimizer
 step, only with adaptive clipping) to set the C of the next step
-(:func:`~hf_dp.adaptive_clipping.update_clipping_norm`).
-The math and the accounting are in :mod:`hf_dp.adaptive_clipping`.
+(:func:`~hf_dp.step.adaptive_clipping.update_clipping_norm`).
+The math and the accounting are in :mod:`hf_dp.step.adaptive_clipping`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..plan.privacy_plan import DPPlan
 from .adaptive_clipping import QuantileClipping, centered_unclipped_count, update_clipping_norm
-from .privacy_plan import DPPlan
 
 __all__ = ["AdaptiveClippingState"]
 

@@ -10,7 +10,7 @@ everything that is written to disk or pushed (``trainer_state.json`` in checkpoi
 It is an allowlist: a log key is released only if it is known to be noised or public. Evaluation metrics
 (``eval_*``, ``test_*``, ``predict_*``) are computed on the data given for evaluation, the user's business; the card
 says that the guarantee does not cover them, and, when the trainer's ``eval_dataset`` is or overlaps the training set
-(:mod:`hf_dp.eval_overlap`), that they were computed on training data. Selection on such metrics
+(:mod:`hf_dp.release.eval_overlap`), that they were computed on training data. Selection on such metrics
 (``load_best_model_at_end``, early stopping, plateau schedules) is refused before training.
 
 Every folder that receives weights gets the DP card of that moment: ``save_model`` writes it (checkpoints included),

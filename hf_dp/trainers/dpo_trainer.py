@@ -8,9 +8,10 @@ TRL's.
 
 The unit of privacy is one preference pair ``(prompt, chosen, rejected)``, or with ``privacy_unit="user"`` every pair
 of one user (``user_column``; the user's pairs are clipped together). The training step is hf_dp's
-(:class:`~hf_dp.core.DPTrainerMixin`), with one loss per pair: TRL concatenates the chosen and rejected sequences of a
-micro-batch into one forward pass of ``2B`` rows; a DP step instead arranges the batch as ``B`` pairs ``[B, 2, T]`` and
-runs the policy twice (the chosen rows, then the rejected rows: ``B`` rows each, both passes book-kept by the engine),
+(:class:`~hf_dp.trainers.mixin.DPTrainerMixin`), with one loss per pair: TRL concatenates the chosen and rejected
+sequences of a micro-batch into one forward pass of ``2B`` rows; a DP step instead arranges the batch as ``B`` pairs
+``[B, 2, T]`` and runs the policy twice (the chosen rows, then the rejected rows: ``B`` rows each, both passes book-kept
+by the engine),
 so that the loss of pair ``i`` depends on pair ``i`` alone:
 
     loss_i = -log sigmoid(beta * ((log pi(c_i) - log ref(c_i)) - (log pi(r_i) - log ref(r_i))))
@@ -30,51 +31,22 @@ import copy
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-try:
-    from trl import DPOConfig, DPOTrainer
-except ImportError as error:  # pragma: no cover - exercised in an environment without TRL
-    raise ImportError(
-        "hf_dp's TRL trainers (DPDPOTrainer, DPDPOConfig) need TRL: install it with `pip install 'hf_dp[trl]'` "
-        "(trl>=1.0)."
-    ) from error
-
-from .arguments import _DP_PARAMETERS_DOC, DPArgumentsMixin
-from .collators import is_empty_batch
-from .core import DPTrainerMixin
-from .losses import IGNORE_INDEX, LOSS_TYPES
-from .privacy_unit import UNIT_KEY
-from .trl import _UNIT_ROW, _quiet_model_init_kwargs_warning, prepare_trl_init
+from ..losses import IGNORE_INDEX
+from ..sampling.collators import is_empty_batch
+from ..sampling.privacy_unit import UNIT_KEY
+from .dpo_config import DPDPOConfig, check_dpo_fields
+from .mixin import DPTrainerMixin
+from .trl_common import UNIT_ROW, DPOTrainer, prepare_trl_init, quiet_model_init_kwargs_warning
 
 logger = logging.getLogger("hf_dp")
 
-__all__ = ["DPDPOConfig", "DPDPOTrainer"]
+__all__ = ["DPDPOTrainer"]
 
-#: TRL DPO loss types computed per pair (each a function of one pair's policy and reference log-probabilities).
-DPO_LOSS_TYPES = (
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sigmoid_norm",
-    "sft",
-)
-#: TRL DPO loss types that couple the pairs of a batch (refused).
-COUPLED_DPO_LOSS_TYPES = ("aot", "aot_unpaired")
-#: Loss types that read ``label_smoothing``.
-_SMOOTHED = ("robust", "exo_pair")
 #: The batch keys TRL's preference collator returns with ``2B`` rows (chosen rows first, then rejected rows).
 _ROW_KEYS = ("input_ids", "attention_mask", "completion_mask")
 _REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -83,79 +55,6 @@ _PAIR_UNIT_ROW = (
     "| Unit of privacy | one preference pair (a prompt with its chosen and rejected completions: one row of the "
     "training set) |"
 )
-
-
-def _check_dpo_fields(args) -> None:
-    """The DPOConfig settings DP training refuses, each with what to set instead."""
-    loss_types = [args.loss_type] if isinstance(args.loss_type, str) else list(args.loss_type)
-    for name in loss_types:
-        if name in LOSS_TYPES or name == "auto":
-            raise ValueError(
-                f"`loss_type={name!r}` is an hf_dp per-example loss name, but in DPDPOConfig `loss_type` is TRL's "
-                f"field (the DPO losses, e.g. 'sigmoid'). hf_dp's per-example loss is `dp_loss_type`, which DPO does "
-                "not use (the per-example loss is the DPO loss of each preference pair)."
-            )
-        if name in COUPLED_DPO_LOSS_TYPES:
-            raise ValueError(
-                f"`loss_type={name!r}` sorts the log-ratios over the whole batch (AOT), so each pair's loss depends on "
-                "the other pairs of the batch and cannot be clipped per pair. Use a per-pair DPO loss, e.g. "
-                f"`loss_type='sigmoid'` (supported: {list(DPO_LOSS_TYPES)})."
-            )
-        if name not in DPO_LOSS_TYPES:
-            raise ValueError(
-                f"`loss_type={name!r}` is not supported by DPDPOTrainer: hf_dp computes one loss per preference pair, "
-                f"and does so for TRL's {list(DPO_LOSS_TYPES)}."
-            )
-    if args.dp_loss_type != "causal_lm":
-        raise ValueError(
-            f"`dp_loss_type={args.dp_loss_type!r}`: DPDPOTrainer's per-example loss is the DPO loss of each preference "
-            "pair (TRL's `loss_type`); leave `dp_loss_type` at its default, 'causal_lm'."
-        )
-    if args.label_smoothing and not any(name in _SMOOTHED for name in loss_types):
-        raise ValueError(
-            f"`label_smoothing={args.label_smoothing}` with `loss_type={loss_types}`: TRL's DPO losses "
-            f"{loss_types} do not use label smoothing (it would be ignored). Set `label_smoothing=0.0`, or use "
-            "`loss_type='robust'` (conservative DPO with label smoothing, per pair)."
-        )
-    if args.use_weighting:
-        raise ValueError(
-            "`use_weighting=True` (WPO weights) is not supported by DPDPOTrainer yet: set `use_weighting=False`."
-        )
-    if args.activation_offloading:
-        raise ValueError(
-            "`activation_offloading=True` is not supported by DPDPOTrainer yet: TRL's offloading moves the tensors "
-            "autograd saves to the CPU, and hf_dp has not checked its book-keeping against it. Set "
-            "`activation_offloading=False`; gradient checkpointing is supported."
-        )
-    if getattr(args, "fsdp", None):
-        raise ValueError(
-            "DPDPOTrainer does not support FSDP yet (the reference model and the paired forward passes have not been "
-            "checked under sharding). Train on one process, or with plain data parallelism."
-        )
-
-
-@dataclass
-class DPDPOConfig(DPArgumentsMixin, DPOConfig):
-    __doc__ = (
-        "Configuration for [`DPDPOTrainer`]: every field of TRL's [`~trl.DPOConfig`] (with TRL's defaults and "
-        "meanings, `loss_type` included), plus the DP fields below.\n\n"
-        f"    Supported TRL loss types (each computed per preference pair): {list(DPO_LOSS_TYPES)}, combined with "
-        "`loss_weights`; `f_divergence_type` and `ld_alpha` per pair. Refused, with what to set instead: "
-        f"{list(COUPLED_DPO_LOSS_TYPES)} (they sort over the batch), `use_weighting=True`, `label_smoothing > 0` "
-        "with loss types that ignore it, `activation_offloading=True`, FSDP.\n\n"
-        "    `loss_type='sft'` is the negative log-likelihood of each pair's chosen completion, averaged over that "
-        "pair's own tokens (TRL averages over the tokens of the whole batch).\n\n"
-        f"    Parameters:{_DP_PARAMETERS_DOC}"
-    )
-
-    dp_loss_type: str = field(
-        default="causal_lm",
-        metadata={"help": "Not used by DPO (the per-example loss is the DPO loss of each pair); keep 'causal_lm'."},
-    )
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check_dpo_fields(self)
 
 
 class _DPOTrainerInit(DPOTrainer):
@@ -238,7 +137,7 @@ class DPDPOTrainer(DPTrainerMixin, _DPOTrainerInit):
         args, model, processing_class, quantization_config, loaded_from = prepare_trl_init(
             "DPDPOTrainer",
             DPDPOConfig,
-            _check_dpo_fields,
+            check_dpo_fields,
             args,
             model,
             train_dataset,
@@ -258,7 +157,7 @@ class DPDPOTrainer(DPTrainerMixin, _DPOTrainerInit):
         }
         from trl.trainer import dpo_trainer
 
-        with _quiet_model_init_kwargs_warning(loaded_from is not None, dpo_trainer):
+        with quiet_model_init_kwargs_warning(loaded_from is not None, dpo_trainer):
             super().__init__(
                 model=model,
                 args=args,
@@ -482,7 +381,7 @@ class DPDPOTrainer(DPTrainerMixin, _DPOTrainerInit):
     def dp_model_card_section(self, epsilon_plot: str | None = None) -> str:
         """The DP section, whose unit line says the unit is one preference pair."""
         section = super().dp_model_card_section(epsilon_plot=epsilon_plot)
-        return section.replace(_UNIT_ROW, _PAIR_UNIT_ROW)
+        return section.replace(UNIT_ROW, _PAIR_UNIT_ROW)
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

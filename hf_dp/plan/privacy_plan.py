@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .accounting import noise_multiplier as calibrate_noise_multiplier
-from .accounting.methods import segments_epsilon
-from .adaptive_clipping import QuantileClipping, default_count_noise_multiplier, gradient_noise_multiplier
-from .arguments import DPArgumentsMixin
+from ..accounting import noise_multiplier as calibrate_noise_multiplier
+from ..accounting.methods import segments_epsilon
+from ..arguments import DPArgumentsMixin
+from ..step.adaptive_clipping import QuantileClipping, default_count_noise_multiplier, gradient_noise_multiplier
 
 __all__ = ["FROZEN_FIELDS", "DPPlan", "FrozenSettingsError", "resolve_plan", "settings_snapshot"]
 
@@ -90,7 +90,7 @@ class DPPlan:
     user_column: str | None = None
     max_examples_per_user: int | None = None
     num_rows: int | None = None
-    #: Quantile-adaptive clipping (:mod:`hf_dp.adaptive_clipping`): ``max_grad_norm`` is then the starting C.
+    #: Quantile-adaptive clipping (:mod:`hf_dp.step.adaptive_clipping`): ``max_grad_norm`` is then the starting C.
     adaptive_clipping: bool = False
     target_unclipped_quantile: float = 0.5
     clipping_norm_lr: float = 0.2
@@ -255,7 +255,8 @@ def resolve_plan(
 
 def _adaptive_settings(args, sigma: float, expected_batch_size: int) -> dict[str, Any]:
     """The plan's adaptive-clipping fields: the count's noise and the gradient's noise multiplier that together
-    spend the privacy of ``sigma`` (one Gaussian mechanism: :func:`~hf_dp.adaptive_clipping.gradient_noise_multiplier`).
+    spend the privacy of ``sigma`` (one Gaussian mechanism:
+    :func:`~hf_dp.step.adaptive_clipping.gradient_noise_multiplier`).
     """
     if not getattr(args, "adaptive_clipping", False):
         return {"gradient_noise_multiplier": sigma}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from transformers import Seq2SeqTrainer
 
-from .arguments import DPSeq2SeqTrainingArguments
-from .core import DPTrainerMixin
+from ..arguments import DPSeq2SeqTrainingArguments
+from .mixin import DPTrainerMixin
 
 __all__ = ["DPSeq2SeqTrainer"]
 

@@ -5,8 +5,8 @@ What changes against the Trainer (DESIGN §3): the training DataLoader draws Poi
 seed; the loss is one loss per example; the backward is book-kept, so that ``p.grad`` receives the sum of clipped
 per-example gradients; Gaussian noise from a secret, per-start seed is added once per logical step (before the Trainer
 reads ``grad_norm``) and the step is recorded with the sigma and q it used; epsilon is logged; everything written to
-disk or pushed passes :mod:`hf_dp.release`. The privacy settings are resolved when ``train()`` starts, from the
-arguments, the data and the privacy already spent (:mod:`hf_dp.privacy_plan`), never by editing the arguments. The
+disk or pushed passes :mod:`hf_dp.release.filter`. The privacy settings are resolved when ``train()`` starts, from the
+arguments, the data and the privacy already spent (:mod:`hf_dp.plan.privacy_plan`), never by editing the arguments. The
 book-keeping hooks live only while ``train()`` runs; afterwards the model is a plain model again.
 """
 
@@ -28,18 +28,10 @@ from torch.utils.data import DataLoader
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint, seed_worker
 from transformers.utils import is_datasets_available
 
-from .adaptive_state import AdaptiveClippingState
-from .arguments import DPArgumentsMixin, DPTrainingArguments
-from .batch_checks import NUM_EXAMPLES_KEY, MicroBatchChecks
-from .callback import DPCallback
-from .checks import check_before_init, check_train_dataset, check_train_start, dp_arguments
-from .collators import PLACEHOLDER_KEY, EmptyBatchSafeCollator, is_empty_batch
-from .distributed import all_reduce_sum_, any_process, broadcast_from_main
-from .engine import BookKeepingClipper
-from .epsilon_plot import plot_epsilon_curve
-from .eval_overlap import check_eval_selection, eval_card_fields
-from .fsdp import FSDP2Clipping, local_tensor
-from .ledger import (
+from ..arguments import DPArgumentsMixin, DPTrainingArguments
+from ..engine import BookKeepingClipper
+from ..ledger.callback import DPCallback
+from ..ledger.ledger import (
     KEY_NAME,
     LEDGER_NAME,
     PrivacyLedger,
@@ -50,15 +42,23 @@ from .ledger import (
     ledger_history,
     new_run_id,
 )
-from .loss_scale import NoisedOverflowScalePolicy
-from .losses import LABEL_NAMES, infer_loss_type, per_example_loss
-from .model_card import DPModelCardData, card_tags, render_dp_section, write_dp_model_card
-from .noise import NoiseSource
-from .privacy_plan import DPPlan, resolve_plan
-from .privacy_unit import UNIT_KEY, UnitTaggedDataset, user_codes
-from .release import release_state, released_log_history, released_metrics, unreleased_log_keys
-from .sampler import PoissonBatchSampler
-from .user_sampler import PoissonUserBatchSampler
+from ..losses import LABEL_NAMES, infer_loss_type, per_example_loss
+from ..plan.checks import check_before_init, check_train_dataset, check_train_start, dp_arguments
+from ..plan.privacy_plan import DPPlan, resolve_plan
+from ..release.epsilon_plot import plot_epsilon_curve
+from ..release.eval_overlap import check_eval_selection, eval_card_fields
+from ..release.filter import release_state, released_log_history, released_metrics, unreleased_log_keys
+from ..release.model_card import DPModelCardData, card_tags, render_dp_section, write_dp_model_card
+from ..sampling.batch_checks import NUM_EXAMPLES_KEY, MicroBatchChecks
+from ..sampling.collators import PLACEHOLDER_KEY, EmptyBatchSafeCollator, is_empty_batch
+from ..sampling.poisson import PoissonBatchSampler
+from ..sampling.privacy_unit import UNIT_KEY, UnitTaggedDataset, user_codes
+from ..sampling.users import PoissonUserBatchSampler
+from ..step.adaptive_state import AdaptiveClippingState
+from ..step.distributed import all_reduce_sum_, any_process, broadcast_from_main
+from ..step.fsdp import FSDP2Clipping, local_tensor
+from ..step.loss_scale import NoisedOverflowScalePolicy
+from ..step.noise import NoiseSource
 
 logger = logging.getLogger("hf_dp")
 
@@ -261,7 +261,7 @@ class DPTrainerMixin:
             "collate_fn": EmptyBatchSafeCollator(
                 collator,
                 placeholder=partial(_first_example, dataset) if self.is_fsdp_enabled else None,
-                count_key=NUM_EXAMPLES_KEY,  # checked against the per-example losses (hf_dp.batch_checks)
+                count_key=NUM_EXAMPLES_KEY,  # checked against the per-example losses (hf_dp.sampling.batch_checks)
                 unit_key=UNIT_KEY if by_user else None,  # the user of each row, for clipping per user
             ),
             "num_workers": self.args.dataloader_num_workers,
@@ -425,7 +425,7 @@ class DPTrainerMixin:
             raise RuntimeError("DPTrainer.training_step runs inside `train()` only (the clipper is installed there).")
         if not self.is_fsdp_enabled:
             return self._dp_step(model, inputs, num_items_in_batch)
-        # FSDP2 (hf_dp.fsdp): the clipper is built on the sharded model; a micro-batch in which any process may run
+        # FSDP2 (hf_dp.step.fsdp): the clipper is built on the sharded model; a micro-batch in which any process may run
         # passes of the engine's own runs with the whole model on every process, so that they start no collective.
         if self._sharded is None:
             self._sharded = FSDP2Clipping(model, clipped_in_backward=self.dp_plan.clipping_style != "all-layer")
@@ -454,7 +454,7 @@ class DPTrainerMixin:
                 )
                 self._scale_policy = NoisedOverflowScalePolicy(scale=float(scaler.get_scale()), threshold=threshold)
             # The scale of this step is the policy's, never GradScaler's own (which would only ever grow: see
-            # hf_dp.loss_scale); the previous optimizer step has run, so changing it now is safe. Set on the device
+            # hf_dp.step.loss_scale); the previous optimizer step has run, so changing it now is safe. Set on the device
             # every micro-batch (a fill, no read back: the scaler's own growth may have changed it).
             if scaler._get_scale_async() is not None:
                 scaler.update(new_scale=self._scale_policy.scale)
@@ -474,8 +474,8 @@ class DPTrainerMixin:
         if is_empty_batch(inputs):  # a Poisson batch can be empty: no gradient, but the step still counts
             loss = torch.zeros((), device=self.args.device)
         else:
-            # What reaches the model is what was sampled (hf_dp.batch_checks): take the sampled count out of the batch
-            # and refuse a packed micro-batch, before the self-check and the backward.
+            # What reaches the model is what was sampled (hf_dp.sampling.batch_checks): take the sampled count out of
+            # the batch and refuse a packed micro-batch, before the self-check and the backward.
             checks = self._batch_checks or MicroBatchChecks(self.data_collator)
             try:
                 self._sampled_examples = checks.before_forward(inputs) if placeholder is None else None
@@ -520,7 +520,7 @@ class DPTrainerMixin:
             if scaler is not None:
                 # Each example counts the share of its clipping groups whose scaled gradient overflowed (weight 0):
                 # with k of G groups kept, its contribution (k groups at C / sqrt(G), count (G - k) / G) has norm at
-                # most C, so the noised count stays one Gaussian mechanism with the gradient (hf_dp.loss_scale).
+                # most C, so the noised count stays one Gaussian mechanism with the gradient (hf_dp.step.loss_scale).
                 dropped = (~torch.isfinite(self.clipper.per_group_norms)).float().mean(0)
                 # summed on the device (float64, as the host sum was): read once per step, by the scale policy
                 self._dropped_examples = self._dropped_examples + dropped.sum().to(_count_dtype(dropped.device))
@@ -585,9 +585,9 @@ class DPTrainerMixin:
     def _add_noise(self, scale: float, dropped: torch.Tensor | None = None, count: torch.Tensor | None = None) -> None:
         """p.grad += w * N(0, sigma^2 C^2), so that after unscaling by K the update is the DP-SGD one,
         (sum + noise) / L; with fp16, ``dropped`` (the count of overflowed examples) += N(0, sigma^2), drawn from
-        the same step's stream (one Gaussian mechanism: see hf_dp.loss_scale); with adaptive clipping, ``count`` (the
-        centred count of unclipped units) += N(0, sigma_count^2) and sigma is the gradient's share
-        (hf_dp.adaptive_clipping). The noise of step ``s`` comes from the run's secret source (never written to
+        the same step's stream (one Gaussian mechanism: see hf_dp.step.loss_scale); with adaptive clipping, ``count``
+        (the centred count of unclipped units) += N(0, sigma_count^2) and sigma is the gradient's share
+        (hf_dp.step.adaptive_clipping). The noise of step ``s`` comes from the run's secret source (never written to
         disk). sigma and C are the frozen plan's (C: the adaptive state's), never the arguments' (a change to the
         arguments during the run raises here, before any noise of the step)."""
         plan = self.dp_plan
@@ -703,7 +703,7 @@ class DPTrainerMixin:
     def _restore_dp_state(self, checkpoint: str) -> int:
         """Load the privacy spent from ``checkpoint``; returns its global step.
 
-        The checkpoint's DP state is checked first (:func:`hf_dp.ledger.check_checkpoint_dp_state`: a missing or
+        The checkpoint's DP state is checked first (:func:`hf_dp.ledger.ledger.check_checkpoint_dp_state`: a missing or
         invalid ``trainer_state.json``, a missing, edited or truncated DP state, or another training set are refused,
         naming the checkpoint to resume from instead). The history is then the larger of the checkpoint's and the
         privacy ledger's for the checkpoint's run: steps taken after the checkpoint (whose checkpoints were deleted by
@@ -892,7 +892,7 @@ class DPTrainerMixin:
 
     # ------------------------------------------------------------------ release
     def save_metrics(self, split, metrics, combined=True):
-        """``Trainer.save_metrics`` without un-noised training statistics (see :mod:`hf_dp.release`)."""
+        """``Trainer.save_metrics`` without un-noised training statistics (see :mod:`hf_dp.release.filter`)."""
         return super().save_metrics(split, released_metrics(metrics, self.args.publish_training_metrics), combined)
 
     def save_state(self):

@@ -17,10 +17,11 @@ number as with rotating chunks), and the bound ``k`` holds at every step. The su
 its own rows' keys only, not on which other users were sampled.
 
 Keys. Logical batch ``draw`` includes user ``u`` when the ``u``-th uniform of ``(seed, draw)`` is below ``q``, exactly
-as :class:`~hf_dp.sampler.PoissonBatchSampler` includes examples (the same generator, over ``num_users``). The row
-subsets use the child stream ``SeedSequence([seed, draw]).spawn(1)[0]`` of PCG64, or, with ``secure=True``,
+as :class:`~hf_dp.sampling.poisson.PoissonBatchSampler` includes examples (the same generator, over ``num_users``). The
+row subsets use the child stream ``SeedSequence([seed, draw]).spawn(1)[0]`` of PCG64, or, with ``secure=True``,
 SHAKE-256 of ``"{seed}:{draw}:rows"`` (the inclusion bits then come from SHAKE-256 of ``"{seed}:{draw}"``): both
-streams are cryptographic in secure mode. The seed must stay secret (see :mod:`hf_dp.sampler`) and is never shown.
+streams are cryptographic in secure mode. The seed must stay secret (see :mod:`hf_dp.sampling.poisson`) and is never
+shown.
 
 Micro-batches. The users of a logical batch, in increasing code order, are shared among the ranks as whole users
 (``users[rank::num_replicas]``); each rank then cuts its users, in that order, into exactly ``num_micro_batches``
@@ -38,7 +39,7 @@ from collections.abc import Hashable, Iterator, Sequence
 
 import numpy as np
 
-from .sampler import _PoissonSchedule, _uniforms
+from .poisson import _PoissonSchedule, _uniforms
 
 __all__ = ["PoissonUserBatchSampler", "encode_users"]
 
@@ -126,7 +127,7 @@ class PoissonUserBatchSampler(_PoissonSchedule):
         if codes.dtype.kind not in "iu":
             raise TypeError(
                 f"`user_ids` must hold integer user codes in [0, num_users), got dtype {codes.dtype}: map a column of "
-                "user values to codes with `hf_dp.user_sampler.encode_users`."
+                "user values to codes with `hf_dp.sampling.users.encode_users`."
             )
         if codes.min() < 0:
             raise ValueError(f"`user_ids` must be >= 0, got {codes.min()}.")

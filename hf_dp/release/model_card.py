@@ -21,6 +21,7 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
+from ..version import __version__
 from .epsilon_plot import plot_epsilon_curve
 
 logger = logging.getLogger(__name__)
@@ -111,8 +112,8 @@ class DPModelCardData:
         epsilon_plot (`str`, *optional*):
             File name of a PNG of epsilon against the step, relative to the card (see `plot_epsilon_curve`).
         eval_checked (`bool`, *optional*, defaults to `False`):
-            Whether hf_dp compared the trainer's `eval_dataset` with the training set (`hf_dp.eval_overlap`). If not,
-            the card says only that evaluation metrics are computed on the data given for evaluation.
+            Whether hf_dp compared the trainer's `eval_dataset` with the training set (`hf_dp.release.eval_overlap`). If
+            not, the card says only that evaluation metrics are computed on the data given for evaluation.
         eval_overlap (`list[str]`, *optional*, defaults to `[]`):
             One clause per evaluation set found to be or overlap the training set (`EvalOverlap.describe()`). Non-empty:
             a warning says that evaluation metrics were computed on training data and are not covered.
@@ -536,8 +537,6 @@ def render_dp_section(data: DPModelCardData) -> str:
         write_dp_model_card("out", section)
         ```
     """
-    from . import __version__
-
     segments = _segments(data)
     _check(data, segments)
     steps = sum(s[2] for s in segments)

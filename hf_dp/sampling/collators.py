@@ -20,8 +20,8 @@ class EmptyBatchSafeCollator:
     """Calls ``collator(features)``, or returns ``{EMPTY_BATCH_KEY: True}`` when ``features`` is empty (with
     ``{PLACEHOLDER_KEY: collator(placeholder())}`` if ``placeholder`` is given). With ``count_key``, a non-empty
     batch that is a mutable mapping also carries ``len(features)`` under it: the number of examples the sampler put
-    in the micro-batch, which the trainer compares with the number of per-example losses (hf_dp.batch_checks). With
-    ``unit_key``, features carrying a user code under it (``privacy_unit="user"``) have it taken out before
+    in the micro-batch, which the trainer compares with the number of per-example losses (hf_dp.sampling.batch_checks).
+    With ``unit_key``, features carrying a user code under it (``privacy_unit="user"``) have it taken out before
     ``collator`` sees them, and the batch carries the micro-batch's units (codes ``0 .. u-1``, a CPU tensor) under
     it."""
 

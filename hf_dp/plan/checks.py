@@ -9,10 +9,10 @@ from torch import nn
 from torch.utils.data import IterableDataset
 from transformers import TrainingArguments
 
-from .arguments import DPArgumentsMixin, DPTrainingArguments
-from .batch_checks import check_collator
-from .engine import plan_coverage
-from .fsdp import is_fsdp2
+from ..arguments import DPArgumentsMixin, DPTrainingArguments
+from ..engine import plan_coverage
+from ..sampling.batch_checks import check_collator
+from ..step.fsdp import is_fsdp2
 
 __all__ = [
     "BACKWARD_STEPPING_OPTIMIZER_CLASSES",
@@ -140,7 +140,7 @@ def check_fsdp(args: DPArgumentsMixin) -> None:
     if args.fp16:
         raise ValueError(
             "DPTrainer does not support fp16 with FSDP2 yet: accelerate's sharded loss scaling and hf_dp's noised "
-            "overflow policy (hf_dp.loss_scale) are not wired together. Use `bf16=True`, or fp16 without FSDP."
+            "overflow policy (hf_dp.step.loss_scale) are not wired together. Use `bf16=True`, or fp16 without FSDP."
         )
 
 

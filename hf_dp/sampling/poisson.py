@@ -20,7 +20,7 @@ micro-batch holds examples of similar length and pads little. This changes only 
 micro-batches, never which examples it holds, so the privacy analysis is unchanged (clipping is per example and noise is
 added once per logical batch).
 
-:class:`~hf_dp.user_sampler.PoissonUserBatchSampler` (user-level DP) shares the schedule (:class:`_PoissonSchedule`)
+:class:`~hf_dp.sampling.users.PoissonUserBatchSampler` (user-level DP) shares the schedule (:class:`_PoissonSchedule`)
 and the inclusion stream (:func:`_uniforms`), drawn over users instead of rows.
 """
 

@@ -379,7 +379,7 @@ def eval_card_fields(trainer: Any) -> dict[str, Any]:
         trainer: a DP trainer.
 
     Returns:
-        `dict`: keyword arguments for :class:`~hf_dp.model_card.DPModelCardData`.
+        `dict`: keyword arguments for :class:`~hf_dp.release.model_card.DPModelCardData`.
     """
     if trainer.eval_dataset is None or trainer.train_dataset is None:
         return {"eval_checked": False, "eval_overlap": [], "eval_selection": []}

@@ -1,0 +1,169 @@
+"""DP trainers for TRL: :class:`DPSFTTrainer` / :class:`DPSFTConfig` (supervised fine-tuning), and
+:class:`DPDPOTrainer` / :class:`DPDPOConfig` (preference optimisation, in :mod:`hf_dp.trainers.dpo`).
+
+TRL's ``sft.py`` changes three names: ``SFTConfig`` -> ``DPSFTConfig``, ``SFTTrainer`` -> ``DPSFTTrainer`` and the
+import. Everything else is TRL's: the model given as a Hub id or path (``model_init_kwargs``), ``peft_config``,
+``formatting_func``, the dataset formats (``text``, prompt-completion, conversational ``messages``) and the loss masks
+TRL builds into ``labels`` (``completion_only_loss``, ``assistant_only_loss``), the collator, gradient checkpointing.
+The training step is hf_dp's (:class:`~hf_dp.trainers.mixin.DPTrainerMixin`): Poisson sampling, one loss per
+example (the example's own next-token loss over the tokens whose label is not ``-100``, never a batch mean), book-kept
+clipping, Gaussian noise, accounting and the DP model card.
+
+This module imports TRL; ``import hf_dp`` does not (``hf_dp.DPSFTTrainer`` imports it on first use). Install it with
+``pip install 'hf_dp[trl]'``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ..losses import IGNORE_INDEX
+from .mixin import DPTrainerMixin
+from .sft_config import DPSFTConfig, check_sft_fields
+from .trl_common import UNIT_ROW, SFTTrainer, prepare_trl_init, quiet_model_init_kwargs_warning
+
+__all__ = ["DPSFTTrainer"]
+
+_PACKED_UNIT_ROW = (
+    "| Unit of privacy | one packed row of `max_length` tokens (TRL `packing_strategy='wrapped'`): a row of the "
+    "packed training set, not one original document (adding or removing a document re-cuts every later row, so no "
+    "per-document guarantee follows) |"
+)
+
+
+class _SFTTrainerInit(SFTTrainer):
+    """Takes the Trainer's arguments from :class:`DPTrainerMixin` and adds SFTTrainer's own (``peft_config``,
+    ``formatting_func``, ``quantization_config``), set by :class:`DPSFTTrainer` before."""
+
+    def __init__(self, *, model_init=None, **kwargs):  # model_init: always None (refused by DPTrainerMixin)
+        extra = self.__dict__.pop("_dp_sft_init_kwargs", {})
+        super().__init__(**kwargs, **extra)
+
+
+class DPSFTTrainer(DPTrainerMixin, _SFTTrainerInit):
+    """Drop-in replacement for TRL's :class:`~trl.SFTTrainer` that trains with (epsilon, delta)-differential privacy.
+
+    Takes SFTTrainer's arguments (``model`` as a Hub id, a local path or a model object; ``peft_config``;
+    ``formatting_func``; ``quantization_config``; ...) with ``args`` a :class:`DPSFTConfig`. Every TRL dataset format
+    works: language modeling (``text``), prompt-completion (``completion_only_loss``, on by default for it),
+    conversational (``messages``, with ``assistant_only_loss``), and ``formatting_func``. The per-example loss is the
+    example's own next-token loss over the tokens TRL's preparation keeps in ``labels`` (``-100`` elsewhere: the prompt
+    with completion-only loss, non-assistant turns with assistant-only loss, padding), averaged over those tokens
+    (``per_example_loss_reduction="mean"``) or summed, never over the batch. ``loss_type="dft"`` is TRL's DFT loss
+    (each token's NLL weighted by its detached probability), per example in the same way.
+
+    Unit of privacy: one row of the training set TRL prepares: one example, or with ``packing=True,
+    packing_strategy="wrapped"`` one packed row of ``max_length`` tokens. With packing the guarantee is with respect
+    to the packed rows, not the original documents: a document cut over several rows, or the addition or removal of
+    one document (which re-cuts every later row), is not covered as one unit. The model card's unit line says so.
+    With ``privacy_unit="user"`` the unit is every row of one user (the user column passes through TRL's preparation);
+    packing is then refused, since a packed row mixes users. Padding-free packing (``packing_strategy="bfd"``, TRL's
+    default for ``packing=True``) and ``padding_free=True`` are refused before training.
+
+    Training metrics TRL logs from the training batches (``entropy``, ``mean_token_accuracy``, ``num_tokens``) are
+    not computed during DP steps (they would be un-noised statistics of the training data); evaluation is TRL's
+    (``eval_loss`` is SFTTrainer's, with its metrics).
+
+    Raises:
+        ValueError: before training, for any setting that would break the guarantee.
+
+    Example:
+        ```python
+        from hf_dp import DPSFTConfig, DPSFTTrainer   # was: from trl import SFTConfig, SFTTrainer
+
+        args = DPSFTConfig(output_dir="out", target_epsilon=8.0, per_sample_max_grad_norm=1.0,
+                           per_device_train_batch_size=16, gradient_accumulation_steps=16, learning_rate=1e-3)
+        trainer = DPSFTTrainer(model="Qwen/Qwen2.5-0.5B", args=args, train_dataset=dataset,
+                               peft_config=LoraConfig(r=16, target_modules="all-linear"))
+        trainer.train()
+        ```
+    """
+
+    _dp_arguments_class = DPSFTConfig
+
+    def __init__(
+        self,
+        model: Any,
+        args: DPSFTConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_loss_func: Callable | None = None,
+        compute_metrics: Callable | None = None,
+        callbacks=None,
+        optimizers=(None, None),
+        optimizer_cls_and_kwargs=None,
+        preprocess_logits_for_metrics=None,
+        quantization_config=None,
+        peft_config=None,
+        formatting_func: Callable[[dict], str] | None = None,
+    ):
+        args, model, processing_class, quantization_config, loaded_from = prepare_trl_init(
+            "DPSFTTrainer",
+            DPSFTConfig,
+            check_sft_fields,
+            args,
+            model,
+            train_dataset,
+            quantization_config,
+            processing_class,
+        )
+        self._dp_sft_init_kwargs = {
+            "quantization_config": quantization_config,
+            "peft_config": peft_config,
+            "formatting_func": formatting_func,
+        }
+        with quiet_model_init_kwargs_warning(loaded_from is not None):
+            super().__init__(
+                model=model,
+                args=args,
+                data_collator=data_collator,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                compute_loss_func=compute_loss_func,
+                compute_metrics=compute_metrics,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            )
+
+    # ------------------------------------------------------------------ loss
+    def _model_inputs(self, model, inputs):
+        """The batch without labels, and ``use_cache=False`` (as SFTTrainer: no cache while training)."""
+        model_inputs = super()._model_inputs(model, inputs)
+        model_inputs.setdefault("use_cache", False)
+        return model_inputs
+
+    def compute_per_example_loss(self, outputs, inputs: dict[str, Any]) -> torch.Tensor:
+        """``[B]``: the next-token loss of each example over its own labelled tokens (``nll``), or TRL's DFT loss
+        (``dft``: each token's NLL times its detached probability), reduced per example."""
+        if self.args.loss_type != "dft" or self.compute_loss_func is not None:
+            return super().compute_per_example_loss(outputs, inputs)
+        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+        labels = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"][:, 1:]
+        if "shift_labels" not in inputs:
+            logits = logits[:, :-1]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+        ).view(labels.shape)
+        per_token = nll * torch.exp(-nll).detach()  # DFT (arXiv 2508.05629); zero on ignored positions
+        total = per_token.sum(1)
+        if self.args.per_example_loss_reduction == "sum":
+            return total
+        return total / (labels != IGNORE_INDEX).sum(1).clamp_min(1)
+
+    # ------------------------------------------------------------------ card
+    def dp_model_card_section(self, epsilon_plot: str | None = None) -> str:
+        """The DP section; with wrapped packing its unit line says the unit is a packed row."""
+        section = super().dp_model_card_section(epsilon_plot=epsilon_plot)
+        if self.args.packing:
+            section = section.replace(UNIT_ROW, _PACKED_UNIT_ROW)
+        return section
+

@@ -21,7 +21,6 @@ from torch.nn.utils.rnn import pack_padded_sequence
 from torch.utils._pytree import tree_flatten
 
 from hf_dp import BookKeepingClipper, UnsupportedModuleError
-from hf_dp.engine import planner
 from hf_dp.engine import proof as proof_module
 from hf_dp.engine.batch import root_batch, slice_batch
 from hf_dp.engine.layouts import MIXED, Layouts, needs_third_run
@@ -38,6 +37,8 @@ from hf_dp.engine.probe import (
     same_values,
     tolerance,
 )
+from hf_dp.engine.rule_check import rule_disagreement
+from hf_dp.engine.shared_checks import RuleChecks
 from hf_dp.layers import Layout
 
 MODELS = {
@@ -414,13 +415,13 @@ class Stack(nn.Module):
 
 def _checks_of(model, x, monkeypatch):
     made = []
-    original = planner.RuleChecks.__init__
+    original = RuleChecks.__init__
 
     def init(self):
         original(self)
         made.append(self)
 
-    monkeypatch.setattr(planner.RuleChecks, "__init__", init)
+    monkeypatch.setattr(RuleChecks, "__init__", init)
     clipper = BookKeepingClipper(model, max_grad_norm=1.0)
     model(x)
     rules = [(name, rule) for name, rule in clipper.hooked_modules]
@@ -530,14 +531,14 @@ def test_shared_rule_checks_give_each_module_the_answer_of_its_own(float64, name
     """Every module's own check (no sharing) agrees with the answer the shared checks gave it."""
     model, inputs = _model_and_inputs(name)
     answers = []
-    original = planner.RuleChecks.disagreement
+    original = RuleChecks.disagreement
 
     def record(self, entry, rule, call, layout):
         shared = original(self, entry, rule, call, layout)
-        answers.append((entry.name, shared, planner.rule_disagreement(entry, rule, call, layout)))
+        answers.append((entry.name, shared, rule_disagreement(entry, rule, call, layout)))
         return shared
 
-    monkeypatch.setattr(planner.RuleChecks, "disagreement", record)
+    monkeypatch.setattr(RuleChecks, "disagreement", record)
     clipper = BookKeepingClipper(model, max_grad_norm=1.0)
     model(**inputs)
     clipper.remove()

@@ -97,6 +97,14 @@ def noise_multiplier(
     check_steps(steps)
     check_proven_accountant(accountant)
     past = check_segments(past, "past")
+    spent = _spent_before(target_epsilon, delta, accountant, past)
+    if steps == 0:
+        return 0.0
+    return _calibrate(target_epsilon, delta, sample_rate, steps, accountant, past, spent)
+
+
+def _spent_before(target_epsilon: float, delta: float, accountant: str, past: list[Segment]) -> float:
+    """The epsilon already spent in ``past`` (0 without one); ``ValueError`` where it reaches the target."""
     spent = segments_epsilon(past, delta, accountant) if past else 0.0
     if spent >= target_epsilon:
         raise ValueError(
@@ -104,8 +112,20 @@ def noise_multiplier(
             f"which reaches `target_epsilon`={target_epsilon} before any further step. Raise `target_epsilon` or "
             "train no further."
         )
-    if steps == 0:
-        return 0.0
+    return spent
+
+
+def _calibrate(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str,
+    past: list[Segment],
+    spent: float,
+) -> float:
+    """:func:`noise_multiplier` for ``steps`` > 0 once its arguments are checked (``spent``: the epsilon of
+    ``past``)."""
 
     def eps(sigma: float) -> float:
         return segments_epsilon([*past, (sigma, sample_rate, steps)], delta, accountant)

@@ -16,7 +16,7 @@ from torch import nn
 
 from .callback import AuditCallback
 from .canaries import _INCLUSION_STREAM, CanarySet, canary_rng
-from .guesses import DEFAULT_FRACTIONS, choose_guesses
+from .guesses import DEFAULT_FRACTIONS, GuessChoice, choose_guesses
 from .result import AuditResult
 from .scores import CanaryScores
 
@@ -182,6 +182,13 @@ class CanaryAudit:
             k_minus=k_minus,
             fractions=fractions,
         )
+        return self._result_of(choice, claimed_epsilon=claimed_epsilon, delta=delta, significance=significance)
+
+    def _result_of(
+        self, choice: GuessChoice, *, claimed_epsilon: float, delta: float, significance: float
+    ) -> AuditResult:
+        """The result of the guesses ``choice``, with the mean exposure of the included and of the excluded
+        canaries (generative canaries; NaN for a side without canaries)."""
         exposures = self._scores.exposures
         exposure_in = exposure_out = None
         if exposures is not None:

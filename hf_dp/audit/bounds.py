@@ -21,6 +21,7 @@ run that is eps*-DP is also eps-DP for every eps >= eps*.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 from scipy import special, stats
@@ -137,6 +138,13 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float, significance: floa
     def rejected(eps: float) -> bool:
         return _p_value(m, r, v, eps, delta) < significance
 
+    return _largest_rejected(rejected)
+
+
+def _largest_rejected(rejected: Callable[[float], bool]) -> float:
+    """The largest epsilon that ``rejected`` holds for (true up to some epsilon, false above), by doubling and then
+    bisection to :data:`EPS_TOLERANCE`: the bracket's low end, where it holds; 0 where it does not hold at 0,
+    :data:`EPS_MAX` where it still holds there."""
     # p >= beta, and beta is the delta = 0 p-value: if even that is not rejected at eps = 0, nothing is.
     if not rejected(0.0):
         return 0.0

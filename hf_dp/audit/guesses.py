@@ -183,25 +183,46 @@ def choose_guesses(
             f"k_plus={k_plus}, k_minus={k_minus}."
         )
     if k_plus is not None:
-        r, v = count_correct(s, b, k_plus, k_minus)
-        eps = epsilon_lower_bound(m, r, v, delta, significance)
-        return GuessChoice(k_plus, k_minus, r, v, m, eps, "fixed", 1)
+        return _fixed(s, b, k_plus, k_minus, delta, significance)
     if selection == "bonferroni":
-        pairs = guess_grid(m, fractions)
-        eps, (kp, km), r, v = _best_on(s, b, pairs, delta, significance / len(pairs))
-        return GuessChoice(kp, km, r, v, m, eps, "bonferroni", len(pairs))
+        return _bonferroni(s, b, fractions, delta, significance)
     if selection == "split":
-        if m < 4:
-            raise ValueError(f"selection='split' needs at least 4 canaries, got {m}; use 'bonferroni'.")
-        perm = np.random.default_rng(seed).permutation(m)
-        tune, test = perm[: m // 2], perm[m // 2 :]
-        tune_pairs = guess_grid(len(tune), fractions)
-        _, (kp, km), _, _ = _best_on(s[tune], b[tune], tune_pairs, delta, significance)
-        # The same fractions of the other half (what was chosen is a rate, not a count tied to the first half).
-        m_test = len(test)
-        kp = min(m_test, math.floor(kp * m_test / len(tune) + 0.5))
-        km = min(m_test - kp, math.floor(km * m_test / len(tune) + 0.5))
-        r, v = count_correct(s[test], b[test], kp, km)
-        eps = epsilon_lower_bound(m_test, r, v, delta, significance)
-        return GuessChoice(kp, km, r, v, m_test, eps, "split", 1)
+        return _split(s, b, fractions, delta, significance, seed)
     raise ValueError(f"Unknown `selection` {selection!r}; choose one of {list(SELECTIONS)}.")
+
+
+def _fixed(s: np.ndarray, b: np.ndarray, k_plus: int, k_minus: int, delta: float, significance: float) -> GuessChoice:
+    """One test of the fixed guesses, at the full significance."""
+    r, v = count_correct(s, b, k_plus, k_minus)
+    eps = epsilon_lower_bound(len(s), r, v, delta, significance)
+    return GuessChoice(k_plus, k_minus, r, v, len(s), eps, "fixed", 1)
+
+
+def _bonferroni(
+    s: np.ndarray, b: np.ndarray, fractions: Sequence[float], delta: float, significance: float
+) -> GuessChoice:
+    """The best bound over the grid of guesses, each tested at ``significance / G``."""
+    m = len(s)
+    pairs = guess_grid(m, fractions)
+    eps, (kp, km), r, v = _best_on(s, b, pairs, delta, significance / len(pairs))
+    return GuessChoice(kp, km, r, v, m, eps, "bonferroni", len(pairs))
+
+
+def _split(
+    s: np.ndarray, b: np.ndarray, fractions: Sequence[float], delta: float, significance: float, seed: int
+) -> GuessChoice:
+    """The fractions of guesses that do best on a random half, tested on the other half at the full significance."""
+    m = len(s)
+    if m < 4:
+        raise ValueError(f"selection='split' needs at least 4 canaries, got {m}; use 'bonferroni'.")
+    perm = np.random.default_rng(seed).permutation(m)
+    tune, test = perm[: m // 2], perm[m // 2 :]
+    tune_pairs = guess_grid(len(tune), fractions)
+    _, (kp, km), _, _ = _best_on(s[tune], b[tune], tune_pairs, delta, significance)
+    # The same fractions of the other half (what was chosen is a rate, not a count tied to the first half).
+    m_test = len(test)
+    kp = min(m_test, math.floor(kp * m_test / len(tune) + 0.5))
+    km = min(m_test - kp, math.floor(km * m_test / len(tune) + 0.5))
+    r, v = count_correct(s[test], b[test], kp, km)
+    eps = epsilon_lower_bound(m_test, r, v, delta, significance)
+    return GuessChoice(kp, km, r, v, m_test, eps, "split", 1)

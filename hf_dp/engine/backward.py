@@ -1,10 +1,13 @@
-"""The backward side of ``BookKeepingClipper``: per-example gradients from each hooked call's output gradient,
-the first-batch check that loss ``j`` depends on example ``j`` alone, and the checks that no gradient bypassed the
-hooks. (Clipping a group once all its uses are seen: :mod:`.clipping`.)
+"""The backward side of ``BookKeepingClipper``: the start of the book-keeping of a backward pass (``prepare()``),
+per-example gradients from each hooked call's output gradient, the first-batch check that loss ``j`` depends on
+example ``j`` alone, and the checks that no gradient bypassed the hooks. (Clipping a group once all its uses are
+seen, and what is left after the backward pass: :mod:`.clipping`.)
 """
 
 from __future__ import annotations
 
+import logging
+from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -15,6 +18,7 @@ from ..layers.grads import (
     FactoredGrad,
     InstantiatedGrad,
     PerExampleGrad,
+    Units,
     group_units,
     instantiate,
     merge_repeated_ids,
@@ -25,11 +29,107 @@ from .checkpointing import backward_keeping_grads, graph_leaves, own_saved_tenso
 from .rows import closed_form_grads, foreign_rows
 from .state import Pass, Use, grad_stamp
 
+#: The clipper's logger (these messages are about its calls).
+logger = logging.getLogger("hf_dp.engine.clipper")
+
 __all__ = ["BackwardBookkeeping"]
 
 
 class BackwardBookkeeping:
     """Mixin of :class:`~hf_dp.engine.BookKeepingClipper`: what happens in and after the backward pass."""
+
+    # ------------------------------------------------------------------ prepare
+    def _begin(self, per_example_loss: Tensor, *, keep_all: bool, loss_scale: float | None = None, units=None) -> None:
+        """Start book-keeping the backward pass of ``per_example_loss`` (``prepare()``; ``keep_all``: keep every
+        use's per-example gradients to the end, for the self-check's norms-only pass, which runs its own backward)."""
+        p = self._checked_pass(per_example_loss, loss_scale)
+        self._set_units(p, units, per_example_loss.device)
+        p.keep_all = keep_all or (self.mode == "ghost" and not self._sum_checked)
+        self._start_groups(p, per_example_loss.device, loss_scale, keep_all)
+        self._check_unwritten(p)
+        if p.regions and not keep_all and per_example_loss.requires_grad:
+            self._check_graph_for_bypass(per_example_loss)
+        if not self._support_checked and p.size > 1 and p.uses:
+            self._support_check(per_example_loss)
+            self._support_checked = True
+        if not keep_all and p.size > 0:
+            self._note_grads_before(p)
+        p.phase = "record" if p.size > 0 else None
+        self._prepared = True
+
+    def _checked_pass(self, per_example_loss: Tensor, loss_scale: float | None) -> Pass:
+        """The forward pass that ``per_example_loss`` comes from, once the loss and the call are checked."""
+        if loss_scale is not None and not loss_scale > 0:
+            raise ValueError(f"`loss_scale` must be > 0, got {loss_scale}.")
+        if per_example_loss.dim() != 1:
+            raise ValueError(
+                f"`per_example_loss` must have shape [B] (one loss per example), got {tuple(per_example_loss.shape)}. "
+                "A batch-mean loss couples examples and voids the DP bound."
+            )
+        if self._prepared:
+            raise ValueError("`prepare()` was called twice; call `finish()` after each backward pass.")
+        p = self._pass
+        if p is None or not p.complete:
+            raise ValueError(
+                "`prepare()` needs a forward pass of the model with gradients enabled since the last `finish()` "
+                "(the loss must come from that forward pass)."
+            )
+        if per_example_loss.shape[0] != p.size:
+            raise ValueError(
+                f"`per_example_loss` has {per_example_loss.shape[0]} entries but the model's forward pass had "
+                f"{p.size} examples (dimension 0 of its inputs): hf_dp needs one loss per example, with the examples "
+                "along dimension 0 of every input."
+            )
+        if self.mode == "ghost" and p.size > 0 and not per_example_loss.requires_grad:
+            raise ValueError("`per_example_loss` does not require grad.")
+        return p
+
+    @staticmethod
+    def _set_units(p: Pass, units, device: torch.device) -> None:
+        """The privacy units of the pass's examples (``None``: one unit per example)."""
+        p.units = None
+        if units is not None:
+            if len(units) != p.size:
+                raise ValueError(f"`units` has {len(units)} entries for {p.size} examples: give one unit per example.")
+            grouping = Units.of(units, device)
+            p.units = None if grouping.trivial else grouping
+
+    def _start_groups(self, p: Pass, device: torch.device, loss_scale: float | None, keep_all: bool) -> None:
+        """The clipping groups' book-keeping for the backward pass: the uses each group waits for, its squared norms
+        and coefficients (zeros), and whether it is clipped inside the backward pass (in the hook of its last use)."""
+        num_groups = len(self._groups)
+        counts: dict[nn.Parameter, int] = defaultdict(int)
+        pending = [0] * num_groups
+        for use in p.uses:
+            use.groups = tuple(sorted({self._group_of[q] for q in use.params}))
+            for q in use.params:
+                counts[q] += 1
+            for g in use.groups:
+                pending[g] += 1
+        p.use_counts = counts
+        p.pending, p.done, p.pieces = pending, [False] * num_groups, {}
+        p.norm_sq = torch.zeros(num_groups, p.num_units, dtype=self._norm_dtype, device=device)
+        p.coef = torch.zeros(num_groups, p.num_units, dtype=self._norm_dtype, device=device)
+        p.loss_scale = loss_scale
+        p.in_hook = num_groups > 1 and loss_scale is not None and not p.keep_all and self.mode != "ghost"
+        if num_groups > 1 and loss_scale is None and not keep_all and not self._warned_scale:
+            self._warned_scale = True
+            logger.warning(
+                "hf_dp: %d clipping groups, but `prepare()` got no `loss_scale`: the groups are clipped after the "
+                "backward pass (exact, without the memory saving of clipping each group in its hook). Pass "
+                "`prepare(loss, loss_scale=w)`.",
+                num_groups,
+            )
+
+    def _note_grads_before(self, p: Pass) -> None:
+        """``p.grad`` before the backward pass: kept aside in ``ghost`` mode (its first backward must not add into the
+        accumulated gradients), else stamped (to find a gradient that bypassed the clipper)."""
+        if self.mode == "ghost":
+            p.grads_before = {q: q.grad for q in self._trainable}
+            for q in self._trainable:  # the first backward must not add into the accumulated gradients
+                q.grad = None
+        else:
+            p.grads_before = {q: grad_stamp(q) for q in self._trainable}
 
     # ------------------------------------------------------------------ backward
     def _on_output_grads(self, use: Use, positions: list[int], grads) -> None:

@@ -24,11 +24,9 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 
-import torch
 from torch import Tensor, nn
 
 from ..layers import UnsupportedModuleError
-from ..layers.grads import Units
 from .backward import BackwardBookkeeping
 from .capture import CallCapture
 from .clipping import GroupClipping
@@ -37,8 +35,9 @@ from .forward import ForwardHooks
 from .planner import Plan
 from .policy import ClippingPolicy, ParameterGroups
 from .proof import PlanProof
+from .regions import CheckpointRegions
 from .self_check import self_check
-from .state import ModelHook, Pass, grad_stamp
+from .state import ModelHook, Pass
 from .verify import Verification
 
 logger = logging.getLogger(__name__)
@@ -54,7 +53,7 @@ CLIPPING_MODES: dict[str, str] = {
 }
 
 
-class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeeping, GroupClipping):
+class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, CheckpointRegions, BackwardBookkeeping, GroupClipping):
     """Per-example gradient clipping for any ``nn.Module``, by book-keeping, in one backward pass.
 
     Args:
@@ -115,17 +114,7 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
         grad_sink: Callable[[nn.Parameter, Tensor], None] | None = None,
         registered_parameters: Mapping[nn.Parameter, nn.Parameter] | None = None,
     ) -> None:
-        if mode not in CLIPPING_MODES:
-            raise ValueError(f"Unknown clipping mode {mode!r}. Choose one of {sorted(CLIPPING_MODES)}.")
-        self.policy = ClippingPolicy(max_grad_norm=max_grad_norm, style=clipping_style, fn=clipping_fn, gamma=gamma)
-        if mode == "ghost" and not self.policy.is_all_layer:
-            raise ValueError(
-                f"`clipping_style`={clipping_style!r} is not supported in `ghost` mode, whose second backward pass "
-                "reweights whole examples (one coefficient per example). Use `clipping_style='all-layer'`, or a "
-                "one-backward mode (`bk`, `bk-mixopt`, `per-sample`) for group-wise clipping."
-            )
-        if grad_sink is not None and not callable(grad_sink):
-            raise TypeError(f"`grad_sink` must be a callable (param, clipped_sum), got {type(grad_sink).__name__}")
+        self.policy = _checked_policy(mode, max_grad_norm, clipping_style, clipping_fn, gamma, grad_sink)
         self.model = model
         self.mode = mode
         self.allow_fallback = allow_fallback
@@ -142,6 +131,18 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
         self._warned_scale = False
         # the modules that can turn gradient checkpointing on (transformers sets this attribute), checked per forward
         self._checkpointable = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+        self._init_engine_state()
+        self._norm_dtype = self._compute_norm_dtype()
+        #: Whether the engine may run passes of its own on this process's examples (the proof of a plan, the
+        #: support check); a sharded model (FSDP2) allows them only while no such pass can start a collective.
+        self.allow_own_passes = True
+        self._root_handles = [
+            model.register_forward_pre_hook(ModelHook(self._on_root_start), with_kwargs=True, prepend=True),
+            model.register_forward_hook(ModelHook(self._on_root_end), always_call=True),
+        ]
+
+    def _init_engine_state(self) -> None:
+        """The state of the plan and of the forward and backward passes, as before the first forward pass."""
         self._plan: Plan | None = None
         self._plan_handles: list = []
         self._verification: Verification | None = None
@@ -162,14 +163,6 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
         self._root_call: tuple | None = None  # (args, kwargs, batch) of the forward pass in progress
         self._early_stop = None  # checkpoint early stop switched off during the forward pass
         self._recomputing = False  # parameters switched off during a checkpointed region's recomputation
-        self._norm_dtype = self._compute_norm_dtype()
-        #: Whether the engine may run passes of its own on this process's examples (the proof of a plan, the
-        #: support check); a sharded model (FSDP2) allows them only while no such pass can start a collective.
-        self.allow_own_passes = True
-        self._root_handles = [
-            model.register_forward_pre_hook(ModelHook(self._on_root_start), with_kwargs=True, prepend=True),
-            model.register_forward_hook(ModelHook(self._on_root_end), always_call=True),
-        ]
 
     @property
     def max_grad_norm(self) -> float:
@@ -330,77 +323,6 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
         """
         self._begin(per_example_loss, keep_all=False, loss_scale=loss_scale, units=units)
 
-    def _begin(self, per_example_loss: Tensor, *, keep_all: bool, loss_scale: float | None = None, units=None) -> None:
-        if loss_scale is not None and not loss_scale > 0:
-            raise ValueError(f"`loss_scale` must be > 0, got {loss_scale}.")
-        if per_example_loss.dim() != 1:
-            raise ValueError(
-                f"`per_example_loss` must have shape [B] (one loss per example), got {tuple(per_example_loss.shape)}. "
-                "A batch-mean loss couples examples and voids the DP bound."
-            )
-        if self._prepared:
-            raise ValueError("`prepare()` was called twice; call `finish()` after each backward pass.")
-        p = self._pass
-        if p is None or not p.complete:
-            raise ValueError(
-                "`prepare()` needs a forward pass of the model with gradients enabled since the last `finish()` "
-                "(the loss must come from that forward pass)."
-            )
-        if per_example_loss.shape[0] != p.size:
-            raise ValueError(
-                f"`per_example_loss` has {per_example_loss.shape[0]} entries but the model's forward pass had "
-                f"{p.size} examples (dimension 0 of its inputs): hf_dp needs one loss per example, with the examples "
-                "along dimension 0 of every input."
-            )
-        if self.mode == "ghost" and p.size > 0 and not per_example_loss.requires_grad:
-            raise ValueError("`per_example_loss` does not require grad.")
-        p.units = None
-        if units is not None:
-            if len(units) != p.size:
-                raise ValueError(f"`units` has {len(units)} entries for {p.size} examples: give one unit per example.")
-            grouping = Units.of(units, per_example_loss.device)
-            p.units = None if grouping.trivial else grouping
-        p.keep_all = keep_all or (self.mode == "ghost" and not self._sum_checked)
-        num_groups = len(self._groups)
-        counts: dict[nn.Parameter, int] = defaultdict(int)
-        pending = [0] * num_groups
-        for use in p.uses:
-            use.groups = tuple(sorted({self._group_of[q] for q in use.params}))
-            for q in use.params:
-                counts[q] += 1
-            for g in use.groups:
-                pending[g] += 1
-        p.use_counts = counts
-        p.pending, p.done, p.pieces = pending, [False] * num_groups, {}
-        device = per_example_loss.device
-        p.norm_sq = torch.zeros(num_groups, p.num_units, dtype=self._norm_dtype, device=device)
-        p.coef = torch.zeros(num_groups, p.num_units, dtype=self._norm_dtype, device=device)
-        p.loss_scale = loss_scale
-        p.in_hook = num_groups > 1 and loss_scale is not None and not p.keep_all and self.mode != "ghost"
-        if num_groups > 1 and loss_scale is None and not keep_all and not self._warned_scale:
-            self._warned_scale = True
-            logger.warning(
-                "hf_dp: %d clipping groups, but `prepare()` got no `loss_scale`: the groups are clipped after the "
-                "backward pass (exact, without the memory saving of clipping each group in its hook). Pass "
-                "`prepare(loss, loss_scale=w)`.",
-                num_groups,
-            )
-        self._check_unwritten(p)
-        if p.regions and not keep_all and per_example_loss.requires_grad:
-            self._check_graph_for_bypass(per_example_loss)
-        if not self._support_checked and p.size > 1 and p.uses:
-            self._support_check(per_example_loss)
-            self._support_checked = True
-        if not keep_all and p.size > 0:
-            if self.mode == "ghost":
-                p.grads_before = {q: q.grad for q in self._trainable}
-                for q in self._trainable:  # the first backward must not add into the accumulated gradients
-                    q.grad = None
-            else:
-                p.grads_before = {q: grad_stamp(q) for q in self._trainable}
-        p.phase = "record" if p.size > 0 else None
-        self._prepared = True
-
     def finish(self, per_example_loss: Tensor | None = None, *, loss_scale: float | None = None) -> Tensor:
         """Clip after the backward pass has finished and add the clipped sum to ``p.grad`` (or hand it to
         ``grad_sink``); groups already clipped inside the backward pass are done.
@@ -445,40 +367,21 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, BackwardBookkeepi
                     q.grad = p.grads_before.get(q)
             raise
 
-    def _finish(self, p: Pass, per_example_loss: Tensor | None, loss_scale: float | None) -> Tensor:
-        p.loss_scale = loss_scale if p.loss_scale is None else p.loss_scale
-        scale = p.loss_scale or 1.0
-        for origin in self._origins.values():
-            origin.grad = None
-        if p.size == 0:
-            self.per_example_norms = p.norm_sq.sum(0)
-            self.per_group_norms = p.norm_sq
-            if self.grad_sink is not None:
-                for q in self._trainable:
-                    self._deliver(p, q, None)
-            return p.coef[0] if len(self._groups) == 1 else p.coef
-        if p.uses and p.grad_events == 0:
-            raise ValueError(
-                "No hooked module received an output gradient in the backward pass: the per-example loss does not "
-                "depend on the model's forward pass since `prepare()` (e.g. a `compute_loss` that bypassed the "
-                "per-example loss), or the backward pass did not run. Nothing was added to `p.grad`."
-            )
-        self._check_no_bypass(p)
-        if any(use.pending_grad is not None for use in p.uses):
-            names = sorted({use.entry.name for use in p.uses if use.pending_grad is not None})
-            raise UnsupportedModuleError(
-                f"The checkpointed calls of {names[:3]} received their output gradients, but their region was never "
-                "recomputed in the backward pass, so their inputs were never book-kept. Nothing was added to "
-                "`p.grad`; turn activation checkpointing off for these modules."
-            )
-        p.uses = []
-        if self.mode == "ghost":
-            return self._finish_ghost(p, per_example_loss, scale)
-        with torch.no_grad():
-            for g in range(len(self._groups)):
-                if not p.done[g]:
-                    self._finalize_group(p, g)
-            self.per_group_norms = p.norm_sq.sqrt() / scale
-            self.per_example_norms = p.norm_sq.sum(0).sqrt() / scale
-        coef = p.coef.detach()
-        return coef[0] if len(self._groups) == 1 else coef
+
+def _checked_policy(
+    mode: str, max_grad_norm: float, clipping_style, clipping_fn: str, gamma: float, grad_sink
+) -> ClippingPolicy:
+    """The clipping policy of a :class:`BookKeepingClipper`, once its arguments are checked (``ValueError`` for an
+    unknown mode or a style ``ghost`` mode cannot clip, ``TypeError`` for a ``grad_sink`` that is not callable)."""
+    if mode not in CLIPPING_MODES:
+        raise ValueError(f"Unknown clipping mode {mode!r}. Choose one of {sorted(CLIPPING_MODES)}.")
+    policy = ClippingPolicy(max_grad_norm=max_grad_norm, style=clipping_style, fn=clipping_fn, gamma=gamma)
+    if mode == "ghost" and not policy.is_all_layer:
+        raise ValueError(
+            f"`clipping_style`={clipping_style!r} is not supported in `ghost` mode, whose second backward pass "
+            "reweights whole examples (one coefficient per example). Use `clipping_style='all-layer'`, or a "
+            "one-backward mode (`bk`, `bk-mixopt`, `per-sample`) for group-wise clipping."
+        )
+    if grad_sink is not None and not callable(grad_sink):
+        raise TypeError(f"`grad_sink` must be a callable (param, clipped_sum), got {type(grad_sink).__name__}")
+    return policy

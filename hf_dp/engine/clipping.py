@@ -19,6 +19,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..layers import UnsupportedModuleError
 from ..layers.grads import (
     FactoredGrad,
     IndexFactor,
@@ -142,6 +143,47 @@ class GroupClipping:
             p.pending[g] -= 1
             if p.pending[g] == 0 and not p.done[g]:
                 self._finalize_group(p, g)
+
+    def _finish(self, p: Pass, per_example_loss: Tensor | None, loss_scale: float | None) -> Tensor:
+        """``finish()`` once its arguments are checked: after the checks that the backward pass reached the hooks
+        and nothing bypassed them, the groups not clipped inside the backward pass are clipped and delivered, and the
+        norms set; the clipping coefficients."""
+        p.loss_scale = loss_scale if p.loss_scale is None else p.loss_scale
+        scale = p.loss_scale or 1.0
+        for origin in self._origins.values():
+            origin.grad = None
+        if p.size == 0:
+            self.per_example_norms = p.norm_sq.sum(0)
+            self.per_group_norms = p.norm_sq
+            if self.grad_sink is not None:
+                for q in self._trainable:
+                    self._deliver(p, q, None)
+            return p.coef[0] if len(self._groups) == 1 else p.coef
+        if p.uses and p.grad_events == 0:
+            raise ValueError(
+                "No hooked module received an output gradient in the backward pass: the per-example loss does not "
+                "depend on the model's forward pass since `prepare()` (e.g. a `compute_loss` that bypassed the "
+                "per-example loss), or the backward pass did not run. Nothing was added to `p.grad`."
+            )
+        self._check_no_bypass(p)
+        if any(use.pending_grad is not None for use in p.uses):
+            names = sorted({use.entry.name for use in p.uses if use.pending_grad is not None})
+            raise UnsupportedModuleError(
+                f"The checkpointed calls of {names[:3]} received their output gradients, but their region was never "
+                "recomputed in the backward pass, so their inputs were never book-kept. Nothing was added to "
+                "`p.grad`; turn activation checkpointing off for these modules."
+            )
+        p.uses = []
+        if self.mode == "ghost":
+            return self._finish_ghost(p, per_example_loss, scale)
+        with torch.no_grad():
+            for g in range(len(self._groups)):
+                if not p.done[g]:
+                    self._finalize_group(p, g)
+            self.per_group_norms = p.norm_sq.sqrt() / scale
+            self.per_example_norms = p.norm_sq.sum(0).sqrt() / scale
+        coef = p.coef.detach()
+        return coef[0] if len(self._groups) == 1 else coef
 
     def _finish_ghost(self, p: Pass, per_example_loss: Tensor | None, scale: float) -> Tensor:
         """GhostClip: norms from the first backward (one group), then a second backward of the reweighted loss."""

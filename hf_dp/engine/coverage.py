@@ -112,14 +112,8 @@ def plan_coverage(model: nn.Module, *, allow_fallback: bool = True) -> list[Hook
         check_prefix_encoder(module, name)
         if isinstance(module, _CONTAINERS):
             continue  # never called: its parameters belong to the module that holds it
-        match = match_rule(module)
+        match = _applicable_match(module, name)
         covered: set[int] = set()
-        if match is not None:
-            try:
-                match.rule.check(module, name)
-            except NeedsFallback as err:
-                logger.info("%s", err)
-                match = None
         if match is not None:
             params = [p for p in match.rule.parameters(module) if id(p) in trainable]
             covered = {id(p) for p in params}
@@ -129,23 +123,42 @@ def plan_coverage(model: nn.Module, *, allow_fallback: bool = True) -> list[Hook
             elif params:
                 hooked.append(HookedModule(name, module, match.rule, params, match))
         own = [(n, p) for n, p in _own_parameters(module) if id(p) in trainable and id(p) not in covered]
-        if not own:
-            continue
-        names = [n for n, _ in own]
-        if match is not None or not allow_fallback:
-            raise UnsupportedModuleError(
-                f"Trainable parameter(s) {names} of module `{name}` ({type(module).__name__}) are not covered by any "
-                "layer rule. Freeze them (`requires_grad_(False)`), register a rule with "
-                "`hf_dp.layers.register_rule`, or allow the torch.func fallback (`allow_fallback=True`)."
-            )
-        if type(module) not in _warned_fallback_types:
-            _warned_fallback_types.add(type(module))
-            logger.warning(
-                "hf_dp: no closed-form rule for %s (e.g. `%s`); using the torch.func fallback, which instantiates "
-                "per-example gradients for its own parameters %s.",
-                type(module).__name__,
-                name,
-                names,
-            )
-        hooked.append(HookedModule(name, module, FALLBACK_RULE, [p for _, p in own]))
+        if own:
+            hooked.append(_fallback_entry(name, module, own, rule_found=match is not None, allow=allow_fallback))
     return hooked
+
+
+def _applicable_match(module: nn.Module, name: str) -> RuleMatch | None:
+    """The rule matched for ``module``, unless it refuses this configuration of the module (``NeedsFallback``)."""
+    match = match_rule(module)
+    if match is not None:
+        try:
+            match.rule.check(module, name)
+        except NeedsFallback as err:
+            logger.info("%s", err)
+            match = None
+    return match
+
+
+def _fallback_entry(
+    name: str, module: nn.Module, own: list[tuple[str, nn.Parameter]], *, rule_found: bool, allow: bool
+) -> HookedModule:
+    """The torch.func fallback on ``module`` for its own trainable parameters ``own`` that no rule covers (refused
+    where a rule was found for the module, or without ``allow``)."""
+    names = [n for n, _ in own]
+    if rule_found or not allow:
+        raise UnsupportedModuleError(
+            f"Trainable parameter(s) {names} of module `{name}` ({type(module).__name__}) are not covered by any "
+            "layer rule. Freeze them (`requires_grad_(False)`), register a rule with "
+            "`hf_dp.layers.register_rule`, or allow the torch.func fallback (`allow_fallback=True`)."
+        )
+    if type(module) not in _warned_fallback_types:
+        _warned_fallback_types.add(type(module))
+        logger.warning(
+            "hf_dp: no closed-form rule for %s (e.g. `%s`); using the torch.func fallback, which instantiates "
+            "per-example gradients for its own parameters %s.",
+            type(module).__name__,
+            name,
+            names,
+        )
+    return HookedModule(name, module, FALLBACK_RULE, [p for _, p in own])

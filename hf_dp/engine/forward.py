@@ -3,7 +3,7 @@
 On the first forward pass after a (re)plan the root pre-hook has the plan proven (:mod:`.proof`), installs the hooks,
 and verifies the real forward pass (:mod:`.verify`). Every forward pass switches ``requires_grad`` off (ghost
 differentiation) and counts module calls; each hooked call is book-kept by :mod:`.capture`. Activation checkpointing
-(reentrant or not) is checked here and followed by :mod:`.capture` (:mod:`.checkpointing`).
+(reentrant or not) is checked here and followed by :mod:`.regions` (:mod:`.checkpointing`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from ..layers import UnsupportedModuleError
 from ..layers.grads import compute_dtype
 from ..layers.replay import RandomRecorder, draws_random_numbers
-from .batch import root_batch
+from .batch import RootBatch, root_batch
 from .checkpointing import (
     CHECKPOINTING_SUPPORTED,
     REENTRANT_SUPPORTED,
@@ -124,17 +124,7 @@ class ForwardHooks:
         if self._pass is not None and self._pass.phase is not None and _recomputing():
             self._recompute_enter(module)  # the whole model is checkpointed: this is its recomputation
             return None
-        self._recompute_leave()
-        if self._capturing:  # the previous forward pass raised and never reached the root's post-hook
-            self._end_capture()
-            self._pass = None
-        if self._prepared:
-            logger.warning(
-                "hf_dp: a forward pass started between `prepare()` and `finish()`; the prepared micro-batch is "
-                "dropped (its `finish()` will raise)."
-            )
-            self._prepared, self._pass = False, None
-        self._shadow_depth = defaultdict(int)
+        self._drop_unfinished()
         if not torch.is_grad_enabled():
             self._check_not_in_reentrant_region()
             return None
@@ -149,6 +139,30 @@ class ForwardHooks:
             names = self._names()
             self._install(self._make_plan(args, kwargs, batch, names=names))
             self._pass = None
+        self._start_pass(batch)
+        if self._plan is not None and self._verified != self.model.training and batch.size > 0:
+            self._start_verification(names if names is not None else self._names())
+        self._start_capture(module, args)
+        return None
+
+    def _drop_unfinished(self) -> None:
+        """A new forward pass starts: parameters back in autograd after a recomputation, and the capture of a
+        forward pass that raised, or a prepared micro-batch that no ``finish()`` consumed, dropped."""
+        self._recompute_leave()
+        if self._capturing:  # the previous forward pass raised and never reached the root's post-hook
+            self._end_capture()
+            self._pass = None
+        if self._prepared:
+            logger.warning(
+                "hf_dp: a forward pass started between `prepare()` and `finish()`; the prepared micro-batch is "
+                "dropped (its `finish()` will raise)."
+            )
+            self._prepared, self._pass = False, None
+        self._shadow_depth = defaultdict(int)
+
+    def _start_pass(self, batch: RootBatch) -> None:
+        """The pass that book-keeps this forward pass: a new one, or the one of the forward passes before it that no
+        ``prepare()`` consumed yet (same batch size and differentiation)."""
         ghost_diff = self._ghost_differentiation()
         p = self._pass
         if p is None or p.size != batch.size or p.ghost_diff != ghost_diff:
@@ -163,13 +177,21 @@ class ForwardHooks:
             # together: each is one more use of every parameter, with exact cross terms.
             self._pass = Pass(batch, ghost_diff=ghost_diff)
         self._pass.counts, self._pass.ordinal, self._pass.complete = {}, {}, False
-        if self._plan is not None and self._verified != self.model.training and batch.size > 0:
-            names, param_names = names if names is not None else self._names()
-            self._verification = Verification(self.model, self._plan.hooked, list(self._trainable), names, param_names)
-            self._verification.start()
-            if REENTRANT_SUPPORTED and self._verification.mode is not None:
-                # uses in the forward of a reentrant region run without gradients: verify them too
-                self._verification.mode.grad_mode_only = _GradModeOnly(self)
+
+    def _start_verification(self, names: tuple[dict[int, str], dict[nn.Parameter, str]]) -> None:
+        """Verify the plan on this forward pass (the first one in each of training and eval mode)."""
+        module_names, param_names = names
+        self._verification = Verification(
+            self.model, self._plan.hooked, list(self._trainable), module_names, param_names
+        )
+        self._verification.start()
+        if REENTRANT_SUPPORTED and self._verification.mode is not None:
+            # uses in the forward of a reentrant region run without gradients: verify them too
+            self._verification.mode.grad_mode_only = _GradModeOnly(self)
+
+    def _start_capture(self, module: nn.Module, args: tuple) -> None:
+        """Start book-keeping the forward pass: the root's own start, checkpoint early stop off, and ghost
+        differentiation's parameters out of autograd."""
         # dropout in a module the fallback re-runs per example is recorded, to be replayed in the re-run
         self._record_random = self.model.training and bool(self._fallback_modules)
         self._pass.record_random = self._record_random
@@ -180,7 +202,6 @@ class ForwardHooks:
         self._early_stop.__enter__()
         if self._pass.ghost_diff:
             self._set_trainable_requires_grad(False)
-        return None
 
     def _on_root_end(self, module: nn.Module, args: tuple, output) -> None:
         if self._internal or not self._capturing:

@@ -79,8 +79,8 @@ class Pass:
     in_hook: bool = False  # clip each group inside the backward, as soon as all its uses are seen
     bypassed: set = field(default_factory=set)  # parameters whose p.grad autograd wrote before we did
     grad_events: int = 0
-    regions: dict = field(default_factory=dict)  # id(checkpoint frame) -> capture.Region
-    recomputing: dict = field(default_factory=dict)  # thread -> reentrant regions it recomputes (capture.Region)
+    regions: dict = field(default_factory=dict)  # id(checkpoint frame) -> regions.Region
+    recomputing: dict = field(default_factory=dict)  # thread -> reentrant regions it recomputes (regions.Region)
     record_random: bool = False  # random draws of fallback modules recorded in the forward pass (and recomputation)
     grads_before: dict | None = None  # ghost mode: p.grad before the first backward; bk: (id, version) of p.grad
     complete: bool = False  # the forward pass returned

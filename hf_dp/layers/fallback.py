@@ -23,6 +23,7 @@ import contextlib
 import logging
 import random
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -90,17 +91,7 @@ class FallbackRule(LayerRule):
         if not named:
             return {}
         grads = list(grad_output) if isinstance(grad_output, list | tuple) else [grad_output]
-        if captured.layouts is None:
-            batch_size = next(g for g in grads if g is not None).shape[0]
-            leaves, _ = tree_flatten((tuple(captured.args), dict(captured.kwargs)))
-            in_layouts = [
-                Layout(0) if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == batch_size else None
-                for x in leaves
-            ]
-            out_layouts = [Layout(0)] * len(grads)
-        else:
-            in_layouts, out_layouts = captured.layouts
-            batch_size = captured.batch_size
+        in_layouts, out_layouts, batch_size = _call_layouts(captured, grads)
         inputs = _Inputs(captured, in_layouts, batch_size)
         used = [(j, g, out_layouts[j]) for j, g in enumerate(grads) if g is not None]
         if not used:
@@ -110,72 +101,17 @@ class FallbackRule(LayerRule):
         broadcast = [bool(captured.expanded) and captured.expanded[j] for j, _, _ in used]
         positions = [j for j, _, _ in used]
         params = {name: p.detach() for name, p in named.items()}
-
-        def objective(
-            params: dict[str, Tensor], example_inputs: list[Tensor], example_grads: list[Tensor], index: Tensor
-        ) -> Tensor:
-            args, kwargs = inputs.rebuild(example_inputs)
-            with autocast_like(captured.autocast):  # the precision the forward computed in
-                out = torch.func.functional_call(module, params, tuple(args), kwargs)
-            out_leaves, _ = tree_flatten(out)
-            if len(out_leaves) != len(out_layouts):
-                raise UnsupportedModuleError(
-                    f"{type(module).__name__} returned {len(out_leaves)} outputs for one example but "
-                    f"{len(out_layouts)} for the batch; the torch.func fallback cannot match them."
-                )
-            total = None
-            for j, g, dim, shared in zip(positions, example_grads, out_dims, broadcast, strict=True):
-                out_j = out_leaves[j]
-                if shared and out_j.dim() == g.dim() and out_j.shape[dim] == 1 and out_j.shape != g.shape:
-                    # a [1, ...] output the forward expanded to `repeat` rows per example (Swin's bias over the
-                    # windows of each example): each of those rows is this output
-                    out_j = out_j.expand(g.shape)
-                elif out_j.shape != g.shape and _whole_batch(out_j, g, dim, batch_size):
-                    # Every input passed whole (shared), and the call built the whole batch's rows from them (e.g.
-                    # `position_embeddings.expand(batch_size, ...)`, Perceiver and ProphetNet take the batch size):
-                    # this example's output is its own rows of that output.
-                    rows = out_j.unflatten(dim, (batch_size, g.shape[dim]))
-                    pick = torch.nn.functional.one_hot(index, batch_size).to(rows.dtype)
-                    out_j = torch.tensordot(rows.movedim(dim, -1), pick, dims=([rows.dim() - 1], [0]))
-                if out_j.shape != g.shape:  # a broadcast here would sum other examples' rows in silently
-                    raise UnsupportedModuleError(
-                        f"{type(module).__name__} re-run on one example returned output {j} of shape "
-                        f"{tuple(out_leaves[j].shape)}, but that example's rows of the batch's output have shape "
-                        f"{tuple(g.shape)}: an input the engine passed whole (proven shared by every example) is "
-                        "not shared on this batch."
-                    )
-                term = (out_j * g.to(out_j.dtype)).sum()
-                total = term if total is None else total + term
-            return total
-
+        objective = _example_objective(
+            module, captured, inputs, len(out_layouts), positions, out_dims, broadcast, batch_size
+        )
         versions = [b._version for b in module.buffers()]
         host_streams = _HostRandomStreams()
         try:
             per_example = None
             if module not in _LOOP_MODULES and not captured.random:
-                try:
-                    per_example = torch.func.vmap(
-                        torch.func.grad(objective), in_dims=(None, inputs.dims, out_dims, 0), randomness="error"
-                    )(params, inputs.batched, out_grads, torch.arange(batch_size, device=out_grads[0].device))
-                except UnsupportedModuleError:
-                    raise
-                except Exception as err:  # noqa: BLE001  (vmap cannot run every module: fall back to a loop)
-                    if "random" in str(err).lower():
-                        raise UnsupportedModuleError(
-                            f"{type(module).__name__} draws random numbers in its forward pass (e.g. dropout with "
-                            "p > 0); the torch.func fallback re-runs the forward per example and cannot reproduce "
-                            "them. Set its dropout probabilities to 0 or freeze its parameters."
-                        ) from err
-                    logger.info("hf_dp: vmap cannot run %s (%s); using a per-example loop", type(module).__name__, err)
-                    _LOOP_MODULES.add(module)
+                per_example = _vmapped_grads(module, objective, params, inputs, out_grads, out_dims, batch_size)
             if per_example is None:
-                replay = None
-                if captured.random:  # the forward's random draws, example by example
-                    name = type(module).__name__
-
-                    def replay(i: int) -> RandomReplayer:
-                        return RandomReplayer(captured.random, batch_size, i, name)
-
+                replay = _replay(module, captured, batch_size)
                 per_example = self._loop(objective, params, inputs, out_grads, out_dims, batch_size, replay)
             host_streams.check(module, sorted(named))
         finally:
@@ -208,6 +144,121 @@ class FallbackRule(LayerRule):
             for (name, p), g in zip(leaves.items(), got, strict=True):
                 rows[name].append(torch.zeros_like(p) if g is None else g)
         return {name: torch.stack(values) for name, values in rows.items()}
+
+
+def _call_layouts(captured: Captured, grads: list) -> tuple[list, list, int]:
+    """The layouts of the call's flattened inputs and outputs, and the batch size: the proven ones, or dimension 0
+    of every tensor whose first size is the batch of the output gradients."""
+    if captured.layouts is not None:
+        in_layouts, out_layouts = captured.layouts
+        return in_layouts, out_layouts, captured.batch_size
+    batch_size = next(g for g in grads if g is not None).shape[0]
+    leaves, _ = tree_flatten((tuple(captured.args), dict(captured.kwargs)))
+    in_layouts = [
+        Layout(0) if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == batch_size else None for x in leaves
+    ]
+    return in_layouts, [Layout(0)] * len(grads), batch_size
+
+
+def _example_objective(
+    module: nn.Module,
+    captured: Captured,
+    inputs: _Inputs,
+    num_outputs: int,
+    positions: list[int],
+    out_dims: list[int],
+    broadcast: list[bool],
+    batch_size: int,
+) -> Callable:
+    """``objective(params, example_inputs, example_grads, index)``: ``sum_j <y_j, g_j>`` over the outputs that got a
+    gradient (``positions`` among the flattened outputs) of the module re-run with ``params`` on example ``index``
+    alone, whose gradient with respect to ``params`` is that example's gradient."""
+
+    def objective(
+        params: dict[str, Tensor], example_inputs: list[Tensor], example_grads: list[Tensor], index: Tensor
+    ) -> Tensor:
+        args, kwargs = inputs.rebuild(example_inputs)
+        with autocast_like(captured.autocast):  # the precision the forward computed in
+            out = torch.func.functional_call(module, params, tuple(args), kwargs)
+        out_leaves, _ = tree_flatten(out)
+        if len(out_leaves) != num_outputs:
+            raise UnsupportedModuleError(
+                f"{type(module).__name__} returned {len(out_leaves)} outputs for one example but "
+                f"{num_outputs} for the batch; the torch.func fallback cannot match them."
+            )
+        total = None
+        for j, g, dim, shared in zip(positions, example_grads, out_dims, broadcast, strict=True):
+            out_j = _example_rows(out_leaves[j], g, dim, shared, index, batch_size)
+            if out_j.shape != g.shape:  # a broadcast here would sum other examples' rows in silently
+                raise UnsupportedModuleError(
+                    f"{type(module).__name__} re-run on one example returned output {j} of shape "
+                    f"{tuple(out_leaves[j].shape)}, but that example's rows of the batch's output have shape "
+                    f"{tuple(g.shape)}: an input the engine passed whole (proven shared by every example) is "
+                    "not shared on this batch."
+                )
+            term = (out_j * g.to(out_j.dtype)).sum()
+            total = term if total is None else total + term
+        return total
+
+    return objective
+
+
+def _example_rows(out: Tensor, g: Tensor, dim: int, shared: bool, index: Tensor, batch_size: int) -> Tensor:
+    """The rows of one example's re-run output ``out`` that its output gradient ``g`` is for."""
+    if shared and out.dim() == g.dim() and out.shape[dim] == 1 and out.shape != g.shape:
+        # a [1, ...] output the forward expanded to `repeat` rows per example (Swin's bias over the windows of each
+        # example): each of those rows is this output
+        return out.expand(g.shape)
+    if out.shape != g.shape and _whole_batch(out, g, dim, batch_size):
+        # Every input passed whole (shared), and the call built the whole batch's rows from them (e.g.
+        # `position_embeddings.expand(batch_size, ...)`, Perceiver and ProphetNet take the batch size): this
+        # example's output is its own rows of that output.
+        rows = out.unflatten(dim, (batch_size, g.shape[dim]))
+        pick = torch.nn.functional.one_hot(index, batch_size).to(rows.dtype)
+        return torch.tensordot(rows.movedim(dim, -1), pick, dims=([rows.dim() - 1], [0]))
+    return out
+
+
+def _vmapped_grads(
+    module: nn.Module,
+    objective: Callable,
+    params: dict,
+    inputs: _Inputs,
+    out_grads: list,
+    out_dims: list,
+    batch_size: int,
+) -> dict[str, Tensor] | None:
+    """The per-example gradients by ``vmap`` over the examples, or ``None`` where ``vmap`` cannot run the module
+    (remembered: the module then uses the loop)."""
+    try:
+        return torch.func.vmap(
+            torch.func.grad(objective), in_dims=(None, inputs.dims, out_dims, 0), randomness="error"
+        )(params, inputs.batched, out_grads, torch.arange(batch_size, device=out_grads[0].device))
+    except UnsupportedModuleError:
+        raise
+    except Exception as err:  # noqa: BLE001  (vmap cannot run every module: fall back to a loop)
+        if "random" in str(err).lower():
+            raise UnsupportedModuleError(
+                f"{type(module).__name__} draws random numbers in its forward pass (e.g. dropout with "
+                "p > 0); the torch.func fallback re-runs the forward per example and cannot reproduce "
+                "them. Set its dropout probabilities to 0 or freeze its parameters."
+            ) from err
+        logger.info("hf_dp: vmap cannot run %s (%s); using a per-example loop", type(module).__name__, err)
+        _LOOP_MODULES.add(module)
+        return None
+
+
+def _replay(module: nn.Module, captured: Captured, batch_size: int) -> Callable[[int], RandomReplayer] | None:
+    """``replay(i)``: the forward's recorded random draws of example ``i``, to replay in its re-run (``None``: none
+    recorded)."""
+    if not captured.random:
+        return None
+    name = type(module).__name__
+
+    def replay(i: int) -> RandomReplayer:
+        return RandomReplayer(captured.random, batch_size, i, name)
+
+    return replay
 
 
 @contextlib.contextmanager

@@ -1,0 +1,175 @@
+"""A layer rule checked against autograd on the probe's one-example call (step 2 of :mod:`.planner`).
+
+The rule's per-example gradient and ghost norm, for a random output gradient, are compared with the vector-Jacobian
+product of the module's own forward with respect to each parameter the rule covers, within the tolerance of the
+lowest precision the call computes in.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..layers import LayerRule, Layout
+from ..layers.base import autocast_like
+from ..layers.grads import compute_dtype, instantiate, norm_sq
+from .coverage import HookedModule
+from .probe import CallRecord, tolerance
+from .rows import closed_form_grads
+
+__all__ = ["measure_disagreement", "rule_disagreement"]
+
+
+def _random_like(t: Tensor, seed: int) -> Tensor:
+    g = torch.Generator(device=t.device).manual_seed(seed)
+    return torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32).to(t.dtype)
+
+
+def rule_disagreement(entry: HookedModule, rule: LayerRule, call: CallRecord, layout: Layout) -> str | None:
+    """Compare ``rule`` with autograd on the probe's one-example call; a description of the mismatch, or ``None``.
+
+    The rule's per-example gradient (and its ghost norm) for a random output gradient must match the vector-Jacobian
+    product of the module's own forward with respect to each covered parameter.
+    """
+    return measure_disagreement(entry, rule, call, layout)[0]
+
+
+def measure_disagreement(
+    entry: HookedModule, rule: LayerRule, call: CallRecord, layout: Layout, noise: dict | None = None
+) -> tuple[str | None, float]:
+    """:func:`rule_disagreement`, and how close the comparison came to its tolerance: the largest of the compared
+    differences over its threshold (above 1 is a mismatch; ``inf`` where the comparison could not be made at once).
+    ``noise``: the random output gradients drawn so far, by shape, dtype and device (the same seed draws the same
+    tensor: drawn once)."""
+    module, output = entry.module, call.output
+    params = set(entry.params)
+    g = _noise_like(output, noise)
+    captured = rule.capture(module, call.args, call.kwargs, output)
+    with torch.no_grad():
+        grads = closed_form_grads(rule, module, captured, g.clone(), layout, 1, params)
+    named = {n: p for n, p in module.named_parameters() if p in params}
+    ref = _autograd_grads(module, named, call, g)
+    if isinstance(ref, str):
+        return ref, float("inf")
+    # under autocast the call computes in a lower precision than its parameters: the lowest one sets the tolerance
+    computed = [t.dtype for t in (output, *call.args) if isinstance(t, Tensor) and t.is_floating_point()]
+    try:
+        values = _comparison_norms(named, ref, grads)
+    except Exception:  # noqa: BLE001  (a rule whose gradient cannot be compared: in order below, as it comes)
+        values = None
+    if values is None:
+        return _compare_in_order(named, ref, grads, computed), float("inf")
+    return _worst_margin(named, values, computed)
+
+
+def _autograd_grads(
+    module: nn.Module, named: dict[str, nn.Parameter], call: CallRecord, g: Tensor
+) -> dict[nn.Parameter, Tensor] | str:
+    """The reference: autograd's vector-Jacobian product ``g^T d(output)/d(param)`` of the module's forward re-run on
+    the call (zeros for a parameter it does not use), or what is wrong with the re-run's output."""
+    with torch.enable_grad(), autocast_like(call.autocast):
+        leaves = {n: p.detach().requires_grad_(True) for n, p in named.items()}
+        out = _call_with(module, leaves, call.args, call.kwargs)
+        if not isinstance(out, Tensor) or out.shape != call.output.shape:
+            return f"its forward returned {type(out).__name__} when re-run"
+        if out.dtype == g.dtype:  # the gradient of `(out * g).sum()` with respect to `out` is `g`, exactly
+            ref = torch.autograd.grad(out, list(leaves.values()), grad_outputs=g, allow_unused=True)
+        else:
+            ref = torch.autograd.grad((out * g).sum(), list(leaves.values()), allow_unused=True)
+    return {named[n]: (torch.zeros_like(p) if r is None else r) for (n, p), r in zip(leaves.items(), ref, strict=True)}
+
+
+def _worst_margin(named: dict, values: dict, computed: list) -> tuple[str | None, float]:
+    """The first mismatch among the norms of :func:`_comparison_norms` (with ``inf``), or ``None`` and the largest
+    difference over its threshold."""
+    scale = float(sum(x * x for x, *_ in values.values()) ** 0.5) or 1.0
+    worst = 0.0
+    for name, p in named.items():
+        tol = max(tolerance(dtype) for dtype in (p.dtype, *computed))
+        expected_norm, err, norm = values[p]
+        if err is None:
+            if expected_norm > tol * scale:
+                return f"it gives no gradient for `{name}`", float("inf")
+            worst = max(worst, expected_norm / (tol * scale))
+            continue
+        threshold = tol * max(expected_norm, 1e-3 * scale)
+        if err > threshold:
+            return f"its gradient of `{name}` is off by {err / max(expected_norm, 1e-30):.2e} (relative)", float("inf")
+        if abs(norm - expected_norm) > threshold:
+            return f"its per-example norm of `{name}` is {norm:.6g}, autograd's {expected_norm:.6g}", float("inf")
+        worst = max(worst, err / threshold, abs(norm - expected_norm) / threshold)
+    return None, worst
+
+
+def _noise_like(output: Tensor, noise: dict | None) -> Tensor:
+    if noise is None:
+        return _random_like(output, seed=17)
+    key = (tuple(output.shape), output.dtype, output.device)
+    if key not in noise:
+        noise[key] = _random_like(output, seed=17)
+    return noise[key]
+
+
+def _call_with(module: nn.Module, leaves: dict[str, Tensor], args: tuple, kwargs: dict):
+    """``torch.func.functional_call(module, leaves, args, kwargs)``; for a module without submodules whose
+    parameters are distinct tensors (nothing to untie), the same swap of ``module._parameters`` done directly."""
+    own = module._parameters
+    direct = (
+        not module._modules
+        and not isinstance(module, torch.jit.ScriptModule)
+        and all(n in own for n in leaves)
+        and len({id(p) for p in own.values() if p is not None}) == sum(p is not None for p in own.values())
+    )
+    if not direct:
+        return torch.func.functional_call(module, leaves, args, kwargs)
+    saved = {n: own[n] for n in leaves}
+    try:
+        for n, t in leaves.items():
+            own[n] = t
+        return module(*args, **kwargs)
+    finally:
+        for n, p in saved.items():
+            own[n] = p
+
+
+def _comparison_norms(named: dict, ref: dict, grads: dict) -> dict:
+    """``param -> (||autograd||, ||rule - autograd|| or None without a rule gradient, ||rule||)``, read on the host
+    at once (``Tensor.norm()`` is ``vector_norm(., 2)``; ``||rule||`` from the ghost norm)."""
+    parts, where = [], {}
+    for p in named.values():
+        expected = ref[p].double()
+        got = grads.get(p)
+        row = [torch.linalg.vector_norm(expected)]
+        if got is not None:
+            dense = instantiate(got, compute_dtype(p.dtype)).value[0].double()
+            row += [torch.linalg.vector_norm(dense - expected), norm_sq(got, torch.float64)[0].sqrt()]
+        where[p] = (len(parts), len(row))
+        parts += [x.to(dtype=torch.float64, device=parts[0].device if parts else x.device) for x in row]
+    flat = torch.stack(parts).tolist() if parts else []
+    out = {}
+    for p, (start, n) in where.items():
+        row = flat[start : start + n]
+        out[p] = (row[0], row[1], row[2]) if n == 3 else (row[0], None, None)
+    return out
+
+
+def _compare_in_order(named: dict, ref: dict, grads: dict, computed: list) -> str | None:
+    """The comparison of :func:`rule_disagreement`, one parameter after the other (a rule whose gradients could not
+    be compared all at once: the first problem in order, or its error)."""
+    scale = float(sum(r.double().pow(2).sum() for r in ref.values()) ** 0.5) or 1.0
+    for name, p in named.items():
+        tol = max(tolerance(dtype) for dtype in (p.dtype, *computed))
+        expected = ref[p].double()
+        got = grads.get(p)
+        if got is None:
+            if float(expected.norm()) > tol * scale:
+                return f"it gives no gradient for `{name}`"
+            continue
+        dense = instantiate(got, compute_dtype(p.dtype)).value[0].double()
+        err = float((dense - expected).norm())
+        if err > tol * max(float(expected.norm()), 1e-3 * scale):
+            return f"its gradient of `{name}` is off by {err / max(float(expected.norm()), 1e-30):.2e} (relative)"
+        norm = float(norm_sq(got, torch.float64)[0].sqrt())
+        if abs(norm - float(expected.norm())) > tol * max(float(expected.norm()), 1e-3 * scale):
+            return f"its per-example norm of `{name}` is {norm:.6g}, autograd's {float(expected.norm()):.6g}"
+    return None

@@ -1,0 +1,109 @@
+"""Step 2 of :mod:`.planner`: the rule each hooked module gets, checked against autograd on the probe.
+
+A rule registered for the module's exact type must agree with autograd (:func:`~.rule_check.rule_disagreement`) or
+the plan is refused; a guessed rule (a predicate such as a class name, a registered base class) that disagrees is
+replaced by the torch.func fallback. A subclass whose ``forward`` differs from its base's is first tried as the
+base's output times a measured constant (:class:`~hf_dp.layers.ScaledRule`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor, nn
+
+from ..layers import FALLBACK_RULE, LayerRule, ScaledRule
+from ..layers.base import autocast_like
+from .coverage import HookedModule
+from .layouts import Layouts, closed_form_layout, is_float
+from .probe import CallRecord, tolerance
+from .rule_check import rule_disagreement
+from .self_check import SelfCheckError
+from .shared_checks import RuleChecks
+
+#: The planner's logger (these messages are the plan's).
+logger = logging.getLogger("hf_dp.engine.planner")
+
+__all__ = ["choose_rule", "choose_rules"]
+
+
+def choose_rules(
+    static: list[HookedModule], calls_of: dict[int, list[CallRecord]], layouts: Layouts
+) -> list[HookedModule]:
+    """``static`` with the rule each module gets on the probed calls (``calls_of``: by ``id(module)``), the checks
+    shared between identical modules (:class:`~.shared_checks.RuleChecks`)."""
+    entries: list[HookedModule] = []
+    checks = RuleChecks()
+    for entry in static:
+        rule = choose_rule(entry, calls_of.get(id(entry.module), []), layouts, checks)
+        entries.append(HookedModule(entry.name, entry.module, rule, list(entry.params), entry.match))
+    return entries
+
+
+def choose_rule(
+    entry: HookedModule, calls: list[CallRecord], layouts: Layouts, checks: RuleChecks | None = None
+) -> LayerRule:
+    """The rule to use for ``entry``: its own, a scaled version, or the fallback (guessed rules that disagree).
+    ``checks``: the rule checks of this plan so far, shared between identical modules (:class:`RuleChecks`)."""
+    if entry.is_fallback or not calls:
+        return entry.rule
+    match = entry.match
+    rule = entry.rule
+    if match is not None and match.base is not None and _forward_differs(entry.module, match.base):
+        scale = _measure_scale(entry.module, match.base, calls[0])
+        if scale is None:
+            logger.info(
+                "hf_dp: `%s` (%s) overrides forward; using the fallback", entry.name, type(entry.module).__name__
+            )
+            return FALLBACK_RULE
+        if abs(scale - 1.0) > 1e-12:
+            rule = ScaledRule(rule, scale)
+    first = next((c for c in calls if closed_form_layout(rule, c, layouts) is not None), None)
+    if first is None:
+        return rule  # its uses are covered by an enclosing module (decided per use: :mod:`.use_coverage`)
+    layout = closed_form_layout(rule, first, layouts)
+    problem = (
+        rule_disagreement(entry, rule, first, layout)
+        if checks is None
+        else checks.disagreement(entry, rule, first, layout)
+    )
+    if problem is None:
+        return rule
+    if match is not None and match.exact:
+        raise SelfCheckError(
+            f"The rule {type(rule).__name__} registered for {type(entry.module).__name__} disagrees with autograd on "
+            f"module `{entry.name}`: {problem}. Fix the rule, or remove it so that the torch.func fallback is used."
+        )
+    logger.warning(
+        "hf_dp: rule %s does not hold for `%s` (%s): %s; using the torch.func fallback.",
+        type(rule).__name__,
+        entry.name,
+        type(entry.module).__name__,
+        problem,
+    )
+    return FALLBACK_RULE
+
+
+def _measure_scale(module: nn.Module, base: type, call: CallRecord) -> float | None:
+    """``s`` if the module's output on the probe is ``s`` times its base class's ``forward`` on the same input."""
+    try:
+        with torch.no_grad(), autocast_like(call.autocast):
+            ref = base.forward(module, *call.args, **call.kwargs)
+    except Exception:  # noqa: BLE001  (the base class cannot run this call: not a scaled subclass)
+        return None
+    out = call.output
+    if not isinstance(out, Tensor) or not isinstance(ref, Tensor) or out.shape != ref.shape or not is_float(out):
+        return None
+    o, r = out.double(), ref.double()
+    denom = float((r * r).sum())
+    if denom == 0.0:
+        return None
+    s = float((o * r).sum()) / denom
+    if float((o - s * r).norm()) > tolerance(out.dtype) * float(o.norm()):
+        return None
+    return s
+
+
+def _forward_differs(module: nn.Module, base: type) -> bool:
+    return "forward" in vars(module) or type(module).forward is not base.forward

@@ -1,0 +1,148 @@
+"""Rule checks shared between identical modules (:class:`RuleChecks`): the layers of a repeated block are checked
+once (step 2 of :mod:`.planner`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..layers import LayerRule, Layout, ScaledRule
+from .coverage import HookedModule
+from .probe import CallRecord
+from .rule_check import measure_disagreement
+
+__all__ = ["SHARE_MARGIN", "RuleChecks"]
+
+
+#: ``nn.Module`` attributes that hold hooks and bookkeeping, not state that its ``forward`` reads.
+_MODULE_INTERNALS = frozenset(
+    {
+        "_parameters",
+        "_buffers",
+        "_modules",
+        "_non_persistent_buffers_set",
+        "_backward_pre_hooks",
+        "_backward_hooks",
+        "_is_full_backward_hook",
+        "_forward_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+    }
+)
+#: How far inside its tolerance a rule check must pass for identical modules to share it (:class:`RuleChecks`):
+#: float64 round-off is ~1e-10 of the float64 threshold, a lower internal precision ~1e-1.
+SHARE_MARGIN = 1e-2
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+class _NotComparable(Exception):
+    pass
+
+
+def _signature(x, values: list, *, float_values: bool):
+    """A hashable description of ``x`` for :class:`RuleChecks`: containers walked, scalars by value, tensors by type,
+    shape, strides, dtype and device, with their values appended to ``values`` (integer and boolean tensors always,
+    floating-point ones if ``float_values``) and compared there; any other object by identity."""
+    kind = type(x)
+    if kind in _SCALARS:
+        return (kind, x)
+    if isinstance(x, Tensor):
+        if float_values or not (x.is_floating_point() or x.is_complex()):
+            values.append(x)
+        return (kind, tuple(x.shape), x.stride() if x.layout == torch.strided else None, x.dtype, x.device, x.layout)
+    if kind is tuple or kind is list or kind is torch.Size:
+        return (kind, tuple(_signature(y, values, float_values=float_values) for y in x))
+    if kind is dict:
+        if not all(type(k) in _SCALARS for k in x):
+            raise _NotComparable
+        return (kind, tuple((k, _signature(v, values, float_values=float_values)) for k, v in x.items()))
+    values.append(x)  # a configuration, a cache, a function: the same object only
+    return ("object", id(x))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, Tensor):
+        return isinstance(b, Tensor) and torch.equal(a, b)
+    return a is b
+
+
+class RuleChecks:
+    """The rule checks of one plan (:func:`~.rule_check.rule_disagreement`), shared between identical modules.
+
+    Only a rule registered for the module's exact type (whose ``forward`` is the class's: a torch layer such as
+    ``nn.Linear``, whose closed form is hf_dp's own) is shared, and only a check that passed far inside its
+    tolerance (every difference under :data:`SHARE_MARGIN` of its threshold: agreement to round-off in the dtype the
+    module computes in). A guessed rule (a class name, a base class) is checked on every module: its forward is the
+    model's code, which may branch on values or compute in another precision than its inputs (where the check passes
+    or fails by the values it meets), and a check that came close to its tolerance is not a function's property.
+
+    Two checks are the same test when everything the rule and the module's ``forward`` compute from, other than the
+    values of the parameters and of the floating-point inputs, is the same: the rule, the module's type (no
+    ``forward`` of its own, no submodules, no hooks), every other attribute (scalars equal, tensors and buffers equal
+    in value, other objects the same object), the parameters' names, shapes, dtypes and which of them the rule covers,
+    the call's structure (scalars equal; tensors of the same shape, strides, dtype and device; integer and boolean
+    tensors such as token ids equal in value), its output's shape, the autocast state and the proven layout. The
+    second module of a repeated block (the layers of a transformer) then gets the first one's answer: the same closed
+    form against autograd of the same function, with the same random output gradient, at another point of a function
+    the torch layer computes without branching on the floating-point values. Anything else is checked on its own."""
+
+    def __init__(self) -> None:
+        self._done: dict[tuple, list[tuple[list, str | None]]] = {}
+        self._noise: dict = {}  # the random output gradients, by shape, dtype and device
+        self.evaluated = 0
+        self.shared = 0
+
+    def key(self, entry: HookedModule, rule: LayerRule, call: CallRecord, layout: Layout) -> tuple[tuple, list] | None:
+        module = entry.module
+        if entry.match is None or not entry.match.exact or rule is not entry.match.rule:
+            return None
+        if module._modules or "forward" in vars(module) or any(getattr(module, h, None) for h in _HOOK_DICTS):
+            return None
+        values: list = []
+        try:
+            state = tuple(
+                (k, _signature(v, values, float_values=True))
+                for k, v in vars(module).items()
+                if k not in _MODULE_INTERNALS
+            )
+            covered = {id(p) for p in entry.params}
+            params = tuple(
+                (n, None if p is None else (tuple(p.shape), p.dtype, p.device, p.requires_grad, id(p) in covered))
+                for n, p in module._parameters.items()
+            )
+            buffers = tuple((n, _signature(b, values, float_values=True)) for n, b in module._buffers.items())
+            inputs = _signature((call.args, call.kwargs), values, float_values=False)
+            output = _signature(call.output, [], float_values=False)
+        except _NotComparable:
+            return None
+        scale = rule.scale if isinstance(rule, ScaledRule) else None
+        base = id(rule.base) if isinstance(rule, ScaledRule) else id(rule)
+        key = (type(rule), base, scale, type(module), state, params, buffers, inputs, output, call.autocast, layout)
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key, values
+
+    def disagreement(self, entry: HookedModule, rule: LayerRule, call: CallRecord, layout: Layout) -> str | None:
+        """:func:`~.rule_check.rule_disagreement`, or the answer of an identical check of this plan."""
+        found = self.key(entry, rule, call, layout)
+        if found is not None:
+            key, values = found
+            for seen, problem in self._done.get(key, ()):
+                if len(seen) == len(values) and all(_same(a, b) for a, b in zip(seen, values, strict=True)):
+                    self.shared += 1
+                    return problem
+        problem, closeness = measure_disagreement(entry, rule, call, layout, self._noise)
+        self.evaluated += 1
+        if found is not None and problem is None and closeness <= SHARE_MARGIN:
+            self._done.setdefault(key, []).append((values, problem))
+        return problem

@@ -269,12 +269,31 @@ class DPArgumentsMixin:
         super().__post_init__()
         self._check_dp_fields()
 
-    def _check_dp_fields(self) -> None:  # noqa: C901 - one check per field, in order
+    def _check_dp_fields(self) -> None:
+        """Check the DP fields, and the Trainer settings DP-SGD cannot run with, one concern after the other (the first
+        problem found raises; a few fields are normalised on the way: `epsilon_accountants`, `clipping_style`,
+        `max_examples_per_user`)."""
+        self._check_summed_gradient_clipping()
+        self._check_noise_budget()
+        if not self.per_sample_max_grad_norm > 0:
+            raise ValueError(f"`per_sample_max_grad_norm` must be > 0, got {self.per_sample_max_grad_norm}.")
+        self._check_accountants()
+        self._check_clipping_policy()
+        self._check_per_example_loss()
+        self._check_poisson_sampling()
+        self._check_privacy_unit()
+        self._check_adaptive_clipping()
+        self._check_unsupported_trainer_features()
+
+    def _check_summed_gradient_clipping(self) -> None:
         if self.max_grad_norm and self.max_grad_norm > 0:
             raise ValueError(
                 f"`max_grad_norm`={self.max_grad_norm} is not supported by DPTrainer, because clipping the noisy "
                 "summed gradient is not part of DP-SGD. Set `max_grad_norm=0` and use `per_sample_max_grad_norm`."
             )
+
+    def _check_noise_budget(self) -> None:
+        """Exactly one of a budget and a noise multiplier, each in range, and a delta in (0, 1)."""
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
             raise ValueError(
                 "Give exactly one of `target_epsilon` (calibrate the noise to a budget) and `noise_multiplier`; got "
@@ -288,8 +307,9 @@ class DPArgumentsMixin:
             logger.warning("`noise_multiplier=0`: no noise is added and epsilon is infinite (no privacy).")
         if self.target_delta is not None and not 0 < self.target_delta < 1:
             raise ValueError(f"`target_delta` must be in (0, 1), got {self.target_delta}.")
-        if not self.per_sample_max_grad_norm > 0:
-            raise ValueError(f"`per_sample_max_grad_norm` must be > 0, got {self.per_sample_max_grad_norm}.")
+
+    def _check_accountants(self) -> None:
+        """A proven headline accountant, and known logged ones (a comma-separated string becomes a list)."""
         check_proven_accountant(self.accountant)
         if isinstance(self.epsilon_accountants, str):
             self.epsilon_accountants = [a for a in self.epsilon_accountants.split(",") if a]
@@ -298,6 +318,9 @@ class DPArgumentsMixin:
                 raise ValueError(
                     f"Unknown accountant {name!r} in `epsilon_accountants`. Choose from {sorted(ACCOUNTANTS)}."
                 )
+
+    def _check_clipping_policy(self) -> None:
+        """The clipping mode, style (pattern groups parsed), function and its gamma."""
         if self.clipping_mode not in TRAINER_CLIPPING_MODES:
             raise ValueError(
                 f"`clipping_mode`={self.clipping_mode!r} is not supported by DPTrainer. Choose one of "
@@ -308,27 +331,34 @@ class DPArgumentsMixin:
             raise ValueError(f"Unknown `clipping_fn` {self.clipping_fn!r}. Choose one of {CLIPPING_FNS}.")
         if not self.automatic_clipping_gamma > 0:
             raise ValueError(f"`automatic_clipping_gamma` must be > 0, got {self.automatic_clipping_gamma}.")
+
+    def _check_per_example_loss(self) -> None:
         if self.per_example_loss_reduction not in ("mean", "sum"):
             raise ValueError(
                 f"`per_example_loss_reduction` must be 'mean' or 'sum', got {self.per_example_loss_reduction!r}."
             )
         if self.dp_loss_type not in ("auto", *LOSS_TYPES):
             raise ValueError(f"Unknown `dp_loss_type` {self.dp_loss_type!r}. Choose one of {['auto', *LOSS_TYPES]}.")
-        if self.poisson_sampling:
-            if self.dataloader_drop_last:
-                raise ValueError(
-                    "`dataloader_drop_last=True` is not supported with Poisson sampling, because logical batches have "
-                    "random sizes by design. Set `dataloader_drop_last=False` (or `poisson_sampling=False`)."
-                )
-            if self.train_sampling_strategy in ("sequential", "batch_rebalance"):
-                raise ValueError(
-                    f"`train_sampling_strategy={self.train_sampling_strategy!r}` is not supported with Poisson "
-                    "sampling, because it chooses which examples form a batch and so breaks the sampling the "
-                    "accountant assumes. Use 'random', or 'group_by_length' (which only orders each Poisson batch by "
-                    "length before cutting it into micro-batches)."
-                )
-        self._check_privacy_unit()
-        self._check_adaptive_clipping()
+
+    def _check_poisson_sampling(self) -> None:
+        """No Trainer setting that fixes the batch size or chooses the examples of a Poisson batch."""
+        if not self.poisson_sampling:
+            return
+        if self.dataloader_drop_last:
+            raise ValueError(
+                "`dataloader_drop_last=True` is not supported with Poisson sampling, because logical batches have "
+                "random sizes by design. Set `dataloader_drop_last=False` (or `poisson_sampling=False`)."
+            )
+        if self.train_sampling_strategy in ("sequential", "batch_rebalance"):
+            raise ValueError(
+                f"`train_sampling_strategy={self.train_sampling_strategy!r}` is not supported with Poisson "
+                "sampling, because it chooses which examples form a batch and so breaks the sampling the "
+                "accountant assumes. Use 'random', or 'group_by_length' (which only orders each Poisson batch by "
+                "length before cutting it into micro-batches)."
+            )
+
+    def _check_unsupported_trainer_features(self) -> None:
+        """Trainer features that break per-example clipping or the sample rate."""
         if self.torch_compile:
             raise ValueError(
                 "`torch_compile=True` is not supported by DPTrainer: the compiled graph bypasses the book-keeping "

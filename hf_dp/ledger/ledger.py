@@ -309,6 +309,15 @@ def read_checkpoint_dp_state(checkpoint: str) -> tuple[dict[str, Any], dict[str,
             DPCallback state, or that state is incomplete or edited (a history that is not ``[sigma, q, steps]``
             segments, or accounts fewer noisy steps than the checkpoint's ``global_step`` took).
     """
+    trainer_state = _load_trainer_state(checkpoint)
+    attributes = _dp_callback_attributes(checkpoint, trainer_state)
+    _check_history_covers_steps(checkpoint, attributes["history"], trainer_state.get("global_step", 0))
+    return trainer_state, attributes
+
+
+def _load_trainer_state(checkpoint: str) -> dict[str, Any]:
+    """The JSON object of the checkpoint's ``trainer_state.json``, refused if the folder or the file is missing or
+    damaged."""
     if not os.path.isdir(checkpoint):
         raise CheckpointDPStateError(f"Checkpoint {checkpoint} does not exist (or is not a folder).")
     path = os.path.join(checkpoint, TRAINER_STATE_NAME)
@@ -327,6 +336,11 @@ def read_checkpoint_dp_state(checkpoint: str) -> tuple[dict[str, Any], dict[str,
         ) from None
     if not isinstance(trainer_state, dict):
         raise CheckpointDPStateError(f"{path} does not hold a trainer state (a JSON object): checkpoint is damaged.")
+    return trainer_state
+
+
+def _dp_callback_attributes(checkpoint: str, trainer_state: dict[str, Any]) -> dict[str, Any]:
+    """The attributes of the DPCallback state saved in ``trainer_state``, refused if absent or incomplete."""
     callbacks = trainer_state.get("stateful_callbacks")
     state = callbacks.get("DPCallback") if isinstance(callbacks, dict) else None
     if isinstance(state, list):
@@ -345,13 +359,17 @@ def read_checkpoint_dp_state(checkpoint: str) -> tuple[dict[str, Any], dict[str,
             f"The DPCallback state of checkpoint {checkpoint} lacks {', '.join(missing)} (edited, or written by an "
             "older hf_dp): the privacy spent, or the run and the data it belongs to, cannot be checked."
         )
-    history = attributes["history"]
+    return attributes
+
+
+def _check_history_covers_steps(checkpoint: str, history: Any, global_step: Any) -> None:
+    """The DP history is a list of ``[sigma, q, steps]`` segments accounting at least the ``global_step`` optimizer
+    steps the checkpoint took (each of them noisy)."""
     if not isinstance(history, list) or not all(_is_segment(s) for s in history):
         raise CheckpointDPStateError(
             f"The DP history of checkpoint {checkpoint} is not a list of [noise_multiplier, sample_rate, steps] "
             f"segments (got {history!r:.200}): edited or damaged."
         )
-    global_step = trainer_state.get("global_step", 0)
     if not isinstance(global_step, int) or global_step < 0:
         raise CheckpointDPStateError(f"Checkpoint {checkpoint} has an invalid global_step {global_step!r}.")
     spent = history_steps(history)
@@ -361,7 +379,6 @@ def read_checkpoint_dp_state(checkpoint: str) -> tuple[dict[str, Any], dict[str,
             f"after {global_step} optimizer steps (its global_step), each of them noisy: the history was edited or "
             "truncated, and resuming from it would under-report epsilon."
         )
-    return trainer_state, attributes
 
 
 def _is_segment(segment: Any) -> bool:

@@ -186,21 +186,9 @@ def resolve_plan(
     """
     by_user = getattr(args, "privacy_unit", "example") == "user"
     unit = "user" if by_user else "example"
-    expected_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
-    if expected_batch_size > num_examples:
-        raise ValueError(
-            f"The expected logical batch ({expected_batch_size} {unit}s = per_device_train_batch_size x "
-            f"gradient_accumulation_steps x world_size) is larger than the training set ({num_examples} {unit}s). "
-            "Lower `per_device_train_batch_size` or `gradient_accumulation_steps`."
-        )
+    expected_batch_size = _expected_batch_size(args, num_examples, world_size, unit)
     sample_rate = expected_batch_size / num_examples
-    delta = args.target_delta if args.target_delta is not None else 1 / (2 * num_examples)
-    if delta >= 1 / num_examples:
-        raise ValueError(
-            f"`target_delta`={delta:g} is not below 1/N = {1 / num_examples:g} (N = {num_examples} {unit}s): a "
-            f"mechanism that publishes one random {unit}'s data in full meets this delta, so the guarantee would mean "
-            "little. Set `target_delta` well below 1/N, or leave it unset for 1/(2N)."
-        )
+    delta = _delta(args, num_examples, unit)
     num_steps = (
         args.max_steps if args.max_steps and args.max_steps > 0 else math.ceil(args.num_train_epochs / sample_rate)
     )
@@ -213,6 +201,52 @@ def resolve_plan(
         "target_epsilon": args.target_epsilon,
         "accountant": args.accountant,
     }
+    sigma = _noise_multiplier(args, draft, past=past, saved=saved, steps_done=steps_done)
+    adaptive = _adaptive_settings(args, sigma, expected_batch_size)
+    return DPPlan(
+        noise_multiplier=sigma,
+        **draft,
+        **_mechanism_settings(args),
+        **_unit_settings(args, by_user, num_rows),
+        **adaptive,
+        settings=settings_snapshot(args),
+    )
+
+
+def _expected_batch_size(args, num_examples: int, world_size: int, unit: str) -> int:
+    """``L``, the privacy units expected in a logical batch, which must not exceed the ``N`` of the training set."""
+    expected_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    if expected_batch_size > num_examples:
+        raise ValueError(
+            f"The expected logical batch ({expected_batch_size} {unit}s = per_device_train_batch_size x "
+            f"gradient_accumulation_steps x world_size) is larger than the training set ({num_examples} {unit}s). "
+            "Lower `per_device_train_batch_size` or `gradient_accumulation_steps`."
+        )
+    return expected_batch_size
+
+
+def _delta(args, num_examples: int, unit: str) -> float:
+    """The delta of the guarantee: `target_delta`, or 1/(2N) when unset; a delta of 1/N or more is refused."""
+    delta = args.target_delta if args.target_delta is not None else 1 / (2 * num_examples)
+    if delta >= 1 / num_examples:
+        raise ValueError(
+            f"`target_delta`={delta:g} is not below 1/N = {1 / num_examples:g} (N = {num_examples} {unit}s): a "
+            f"mechanism that publishes one random {unit}'s data in full meets this delta, so the guarantee would mean "
+            "little. Set `target_delta` well below 1/N, or leave it unset for 1/(2N)."
+        )
+    return delta
+
+
+def _noise_multiplier(
+    args, draft: dict[str, Any], *, past: Sequence[Sequence[float]], saved: dict[str, Any] | None, steps_done: int
+) -> float:
+    """The plan's sigma: the one given, the saved plan's on a resume with the same schedule, or else calibrated so
+    that the ``past`` segments and the steps still to take together spend `target_epsilon`.
+
+    Raises:
+        ValueError: if no noise reaches the budget, or the accountant cannot state the epsilon of the whole plan.
+    """
+    sample_rate, delta, num_steps = draft["sample_rate"], draft["delta"], draft["num_steps"]
     if args.noise_multiplier is not None:
         sigma = float(args.noise_multiplier)
     elif saved and _same_schedule(saved, draft):
@@ -231,26 +265,32 @@ def resolve_plan(
         segments_epsilon(
             [*map(tuple, past), (sigma, sample_rate, max(num_steps - steps_done, 0))], delta, args.accountant
         )
-    adaptive = _adaptive_settings(args, float(sigma), expected_batch_size)
-    return DPPlan(
-        noise_multiplier=float(sigma),
-        **draft,
-        max_grad_norm=float(args.per_sample_max_grad_norm),
-        clipping_mode=args.clipping_mode,
-        clipping_style=_freeze(args.clipping_style),
-        clipping_fn=args.clipping_fn,
-        automatic_clipping_gamma=float(args.automatic_clipping_gamma),
-        epsilon_accountants=tuple(args.epsilon_accountants),
-        poisson_sampling=bool(args.poisson_sampling),
-        secure_mode=bool(args.secure_mode),
-        loss_scale="fp16" if getattr(args, "fp16", False) else ("bf16" if getattr(args, "bf16", False) else None),
-        privacy_unit="user" if by_user else "example",
-        user_column=args.user_column if by_user else None,
-        max_examples_per_user=args.max_examples_per_user if by_user else None,
-        num_rows=num_rows if by_user else None,
-        **adaptive,
-        settings=settings_snapshot(args),
-    )
+    return float(sigma)
+
+
+def _mechanism_settings(args) -> dict[str, Any]:
+    """The plan's clipping, sampling, noise-source, loss-scale and logged-accountant fields, as in the arguments."""
+    return {
+        "max_grad_norm": float(args.per_sample_max_grad_norm),
+        "clipping_mode": args.clipping_mode,
+        "clipping_style": _freeze(args.clipping_style),
+        "clipping_fn": args.clipping_fn,
+        "automatic_clipping_gamma": float(args.automatic_clipping_gamma),
+        "epsilon_accountants": tuple(args.epsilon_accountants),
+        "poisson_sampling": bool(args.poisson_sampling),
+        "secure_mode": bool(args.secure_mode),
+        "loss_scale": "fp16" if getattr(args, "fp16", False) else ("bf16" if getattr(args, "bf16", False) else None),
+    }
+
+
+def _unit_settings(args, by_user: bool, num_rows: int | None) -> dict[str, Any]:
+    """The plan's privacy-unit fields: the user column and its bounds with ``privacy_unit="user"``, else `None`."""
+    return {
+        "privacy_unit": "user" if by_user else "example",
+        "user_column": args.user_column if by_user else None,
+        "max_examples_per_user": args.max_examples_per_user if by_user else None,
+        "num_rows": num_rows if by_user else None,
+    }
 
 
 def _adaptive_settings(args, sigma: float, expected_batch_size: int) -> dict[str, Any]:

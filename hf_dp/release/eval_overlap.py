@@ -250,16 +250,13 @@ def find_eval_overlap(
         return [], []
     overlaps: list[EvalOverlap] = []
     unchecked: list[str] = []
-    train_hashes: dict[tuple[str, ...] | None, set[bytes]] = {}
+    train_hashes: dict[tuple[str, ...] | None, set[bytes]] = {}  # per set of shared columns, hashed once
     for name, data in _named_eval_sets(eval_dataset):
         if data is None:
             continue
-        if data is train_dataset:
-            overlaps.append(EvalOverlap(name, "identity"))
-            continue
-        fingerprint = getattr(train_dataset, "_fingerprint", None)
-        if fingerprint is not None and getattr(data, "_fingerprint", None) == fingerprint:
-            overlaps.append(EvalOverlap(name, "fingerprint"))
+        same = _same_set(name, data, train_dataset)
+        if same is not None:
+            overlaps.append(same)
             continue
         if not (_indexable(data) and _indexable(train_dataset)):
             unchecked.append(name)
@@ -269,23 +266,47 @@ def find_eval_overlap(
             continue
         train_indices = _sample(n_train, max_train_rows, salt=1)
         eval_indices = _sample(n_eval, eval_sample, salt=2)
-        try:
-            keys = _common_keys(_first_row(train_dataset), _first_row(data))
-            if keys == ():
-                unchecked.append(name)  # no column in common: nothing to compare
-                continue
-            if keys not in train_hashes:
-                train_hashes[keys] = {row_digest(row, keys) for row in _rows(train_dataset, train_indices)}
-            found = sum(row_digest(row, keys) in train_hashes[keys] for row in _rows(data, eval_indices))
-        except Exception as error:  # a dataset whose rows cannot be read by index: not compared (the card says so)
-            logger.warning("hf_dp: could not compare %s with the training set row by row (%r).", name, error)
+        found = _rows_found(name, data, train_dataset, eval_indices, train_indices, train_hashes)
+        if found is None:
             unchecked.append(name)
-            continue
-        if found:
+        elif found:
             coverage = len(train_indices) / n_train
             fraction = min(1.0, found / len(eval_indices) / coverage)
             overlaps.append(EvalOverlap(name, "rows", len(eval_indices), found, len(train_indices), n_train, fraction))
     return overlaps, unchecked
+
+
+def _same_set(name: str, data: Any, train_dataset: Any) -> EvalOverlap | None:
+    """Tests 1 and 2: ``data`` is the training set object, or has its `datasets` fingerprint."""
+    if data is train_dataset:
+        return EvalOverlap(name, "identity")
+    fingerprint = getattr(train_dataset, "_fingerprint", None)
+    if fingerprint is not None and getattr(data, "_fingerprint", None) == fingerprint:
+        return EvalOverlap(name, "fingerprint")
+    return None
+
+
+def _rows_found(
+    name: str,
+    data: Any,
+    train_dataset: Any,
+    eval_indices: list[int],
+    train_indices: list[int],
+    train_hashes: dict[tuple[str, ...] | None, set[bytes]],
+) -> int | None:
+    """Test 3: how many rows of ``data`` at ``eval_indices`` hash like a training row at ``train_indices``, on the
+    columns both share (the training hashes are kept in ``train_hashes``); `None` if the two cannot be compared row
+    by row (no column in common, or rows that cannot be read by index)."""
+    try:
+        keys = _common_keys(_first_row(train_dataset), _first_row(data))
+        if keys == ():
+            return None  # no column in common: nothing to compare
+        if keys not in train_hashes:
+            train_hashes[keys] = {row_digest(row, keys) for row in _rows(train_dataset, train_indices)}
+        return sum(row_digest(row, keys) in train_hashes[keys] for row in _rows(data, eval_indices))
+    except Exception as error:  # a dataset whose rows cannot be read by index: not compared (the card says so)
+        logger.warning("hf_dp: could not compare %s with the training set row by row (%r).", name, error)
+        return None
 
 
 def selection_settings(args: Any, callbacks: Any = (), lr_scheduler: Any = None) -> list[str]:

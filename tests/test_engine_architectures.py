@@ -1,9 +1,9 @@
-"""The "Supported architectures" table of the README, and the tests that prove each row.
+"""The "Supported architectures" table of docs/supported_architectures.md, and the tests that prove each row.
 
 Every row names the test cases that establish it (exactness against the float64 oracle in every clipping mode, or
 a clear refusal); the test below checks that those cases exist, so the table cannot claim what no test covers.
 
-    python tests/test_engine_architectures.py          # print the markdown table
+    python tests/test_engine_architectures.py          # print the markdown table (paste it into that page)
 """
 
 from __future__ import annotations
@@ -343,10 +343,12 @@ def test_markdown_has_one_line_per_row():
     assert len(markdown().splitlines()) == len(ARCHITECTURES) + 2
 
 
-def test_readme_shows_this_table():
-    readme = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "README.md")
-    with open(readme, encoding="utf-8") as f:
-        assert markdown() in f.read(), "README's table is stale: paste `python tests/test_engine_architectures.py`"
+def test_docs_page_shows_this_table():
+    page = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "docs", "supported_architectures.md")
+    with open(page, encoding="utf-8") as f:
+        assert markdown() in f.read(), (
+            "docs/supported_architectures.md's table is stale: paste `python tests/test_engine_architectures.py`"
+        )
 
 
 if __name__ == "__main__":

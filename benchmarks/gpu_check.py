@@ -27,7 +27,7 @@ prints its error and the run goes on; what a spent budget leaves out is printed 
   same seed, Poisson batches and random token ids) in fp32 and in fp16 / bf16 (autocast); the relative difference of
   the parameter update ``||d_amp - d_fp32|| / ||d_fp32||`` (all parameters, and the worst tensor), and for fp16 the
   loss scale: start, end, back-offs, and the noised counts of dropped (overflowed) examples the policy saw
-  (``trainer._scale_policy``; with sigma = 0 they equal the raw counts).
+  (``trainer.dp_step.loss_scaling.policy``; with sigma = 0 they equal the raw counts).
 - ``maxbatch``: the largest batch per variant for which a fresh model runs two steps (first and steady): doubling
   from ``--batch``, then bisection to ``--resolution``, on ``torch.cuda.OutOfMemoryError``; bounded by
   ``--max-batch-cap`` and the part's budget, by default what the run has left, shared by the searches still to run
@@ -637,7 +637,7 @@ def job_precision(args, send, *, precision: str) -> dict:
         **device_info(args),
     }
     if precision == "fp16":
-        policy = trainer._scale_policy
+        policy = trainer.dp_step.loss_scaling.policy if trainer.dp_step.loss_scaling is not None else None
         if policy is None:
             out["note"] = "no loss-scale policy: the trainer ran without an enabled GradScaler"
         else:

@@ -31,7 +31,7 @@ def test_fp16_update_matches_fp32_where_nothing_overflows(tmp_dir):
     one_step(fp32, f"{tmp_dir}/a").train()
     trainer = with_cpu_fp16(one_step(fp16, f"{tmp_dir}/b", fp16=True), init_scale=2.0**10)
     trainer.train()
-    assert trainer._scale_policy.scale == 2.0**10  # nothing overflowed: no back-off
+    assert trainer.dp_step.loss_scaling.policy.scale == 2.0**10  # nothing overflowed: no back-off
     for (name, p0), p32, p16 in zip(base.named_parameters(), fp32.parameters(), fp16.parameters(), strict=True):
         d32, d16 = (p32 - p0).detach(), (p16 - p0).detach()
         assert float((d16 - d32).norm()) <= 0.02 * float(d32.norm()) + 1e-6, name

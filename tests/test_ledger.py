@@ -108,7 +108,7 @@ def test_noise_clipper_and_accountant_read_only_the_frozen_plan(tmp_dir, monkeyp
         runs.append((t, list(stds)))
     (plain, plain_stds), (changed, changed_stds) = runs
     assert changed.args.per_sample_max_grad_norm == 0.01 and changed.args.noise_multiplier == 0.1  # the change happened
-    expected = plain._loss_scale() * 1.0 * 0.1  # w * sigma * C of the plan
+    expected = plain.dp_step.loss_weight * 1.0 * 0.1  # w * sigma * C of the plan
     assert len(changed_stds) == 3
     for std in changed_stds:
         assert all(s == pytest.approx(expected, rel=1e-12) for s in std)

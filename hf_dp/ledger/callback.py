@@ -150,6 +150,11 @@ class DPCallback(TrainerCallback, ExportableState):
             self._ledger.flush()
         self.accountant.step(1, noise_multiplier=noise_multiplier, sample_rate=sample_rate)
 
+    def record_clip_norm(self, used: float, next_clip_norm: float) -> None:
+        """Adaptive clipping: the C a step used and the C of the next step (noisy releases: post-processing)."""
+        self.clip_norms.append(used)
+        self.next_clip_norm = next_clip_norm
+
     def check_settings(self, args, step: int | None = None) -> None:
         """Raise :class:`~hf_dp.plan.privacy_plan.FrozenSettingsError` if the privacy settings of ``args`` are no longer
         those of the run's frozen plan (no-op outside ``train()``)."""

@@ -1,13 +1,23 @@
-"""Collator wrapper for Poisson batches, which can be empty (HF collators fail on ``[]``)."""
+"""Collation of Poisson micro-batches, which can be empty (HF collators fail on ``[]``), and its inverse: what a
+training step finds in a collated micro-batch (:func:`unpack_micro_batch`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["EMPTY_BATCH_KEY", "PLACEHOLDER_KEY", "EmptyBatchSafeCollator", "is_empty_batch"]
+__all__ = [
+    "EMPTY_BATCH_KEY",
+    "PLACEHOLDER_KEY",
+    "EmptyBatchSafeCollator",
+    "MicroBatch",
+    "batch_size",
+    "is_empty_batch",
+    "unpack_micro_batch",
+]
 
 #: Key of the placeholder a :class:`EmptyBatchSafeCollator` returns for an empty micro-batch.
 EMPTY_BATCH_KEY = "hf_dp_empty_batch"
@@ -68,3 +78,59 @@ class EmptyBatchSafeCollator:
 
 def is_empty_batch(inputs: Any) -> bool:
     return isinstance(inputs, dict) and bool(inputs.get(EMPTY_BATCH_KEY, False))
+
+
+def batch_size(inputs: Any) -> int:
+    """The number of rows of a collated batch (the first dimension of its first tensor with one)."""
+    for value in inputs.values():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0]
+    raise ValueError("The batch has no tensor with a batch dimension.")
+
+
+@dataclass
+class MicroBatch:
+    """A micro-batch as a training step receives it from :class:`EmptyBatchSafeCollator`.
+
+    Attributes:
+        inputs: the batch for the model: the collated rows; for an FSDP2 placeholder, the placeholder's one example
+            (to run with loss weight 0); for an empty micro-batch, ``{EMPTY_BATCH_KEY: True}``.
+        units (`torch.Tensor`, *optional*): the user of each row (codes ``0 .. u-1``, user-level DP), else `None`.
+        placeholder (`bool`): whether ``inputs`` is the placeholder of an empty micro-batch (it adds nothing).
+    """
+
+    inputs: Any
+    units: torch.Tensor | None = None
+    placeholder: bool = False
+
+    @property
+    def empty(self) -> bool:
+        """No example: no forward pass, no gradient (the logical step still counts)."""
+        return is_empty_batch(self.inputs)
+
+    def rows(self) -> int:
+        """Rows the model runs on: 1 for a placeholder, 0 when empty."""
+        return 1 if self.placeholder else 0 if self.empty else batch_size(self.inputs)
+
+
+def unpack_micro_batch(inputs: Any, *, unit_key: str | None = None) -> MicroBatch:
+    """The parts of a collated micro-batch: the placeholder swapped in for an empty one that carries it, and, with
+    ``unit_key`` (user-level DP), the user codes taken out of the batch.
+
+    Raises:
+        ValueError: with ``unit_key``, a micro-batch of rows that carries no user codes (it was not collated by
+            :class:`EmptyBatchSafeCollator` with that key).
+    """
+    placeholder = inputs.get(PLACEHOLDER_KEY) if is_empty_batch(inputs) else None
+    if placeholder is not None:
+        inputs = placeholder
+    units = None
+    if unit_key is not None and not is_empty_batch(inputs):
+        inputs = dict(inputs)
+        units = inputs.pop(unit_key, None)
+        if units is None and placeholder is None:
+            raise ValueError(
+                "privacy_unit='user': this micro-batch carries no user codes, so its rows cannot be clipped per "
+                "user. Train through DPTrainer's own dataloader (do not override `get_train_dataloader`)."
+            )
+    return MicroBatch(inputs, units, placeholder is not None)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..plan.privacy_plan import DPPlan
 from .adaptive_clipping import QuantileClipping, centered_unclipped_count, update_clipping_norm
 
 __all__ = ["AdaptiveClippingState"]
@@ -31,14 +30,21 @@ class AdaptiveClippingState:
     count_sum: Tensor
 
     @classmethod
-    def start(cls, plan: DPPlan, resumed_clip_norm: float | None, device) -> AdaptiveClippingState | None:
-        """The state of a ``train()`` call: ``None`` without adaptive clipping; C starts at the one the previous
-        steps of the run ended with (a resume), else at ``per_sample_max_grad_norm``."""
-        config = plan.quantile_clipping
+    def start(
+        cls,
+        config: QuantileClipping | None,
+        *,
+        max_grad_norm: float,
+        expected_batch_size: int,
+        resumed_clip_norm: float | None = None,
+        device: torch.device | str = "cpu",
+    ) -> AdaptiveClippingState | None:
+        """The state of a ``train()`` call: ``None`` without adaptive clipping (``config`` None); C starts at the one
+        the previous steps of the run ended with (a resume), else at ``max_grad_norm``."""
         if config is None:
             return None
-        clip_norm = float(resumed_clip_norm) if resumed_clip_norm is not None else plan.max_grad_norm
-        return cls(config, plan.expected_batch_size, clip_norm, torch.zeros((), dtype=torch.float32, device=device))
+        clip_norm = float(resumed_clip_norm) if resumed_clip_norm is not None else max_grad_norm
+        return cls(config, expected_batch_size, clip_norm, torch.zeros((), dtype=torch.float32, device=device))
 
     def count(self, norms: Tensor) -> None:
         """Add the centred count of one micro-batch's units (their norms, clipped at the current C)."""

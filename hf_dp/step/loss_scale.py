@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["NoisedOverflowScalePolicy"]
+import torch
+
+__all__ = ["NoisedLossScaling", "NoisedOverflowScalePolicy"]
 
 
 @dataclass
@@ -58,3 +60,63 @@ class NoisedOverflowScalePolicy:
                 self.scale *= self.growth_factor
                 self.quiet_steps = 0
         return self.scale
+
+
+class NoisedLossScaling:
+    """fp16 loss scaling of a DP run: accelerate's ``GradScaler`` set, at every micro-batch, to the scale of a
+    :class:`NoisedOverflowScalePolicy`, and the count of dropped examples that drives it.
+
+    Args:
+        scaler (`torch.amp.GradScaler`): the run's (enabled) scaler; its own growth is overridden every micro-batch.
+        noise_multiplier (`float`): the gradient's noise multiplier (the count is noised with it).
+        expected_batch_size (`int`): L, for the policy's threshold.
+    """
+
+    def __init__(self, scaler, *, noise_multiplier: float, expected_batch_size: int) -> None:
+        self.scaler = scaler
+        self.noise_multiplier = noise_multiplier
+        self.expected_batch_size = expected_batch_size
+        self.policy: NoisedOverflowScalePolicy | None = None  # created at the first micro-batch (the resumed scale)
+        self._dropped: float | torch.Tensor = 0.0  # examples dropped in the current logical step (on the device)
+
+    @property
+    def scale(self) -> float:
+        """K, the loss scale of this step (a host float: no read of the device once the policy exists)."""
+        return self.policy.scale if self.policy is not None else float(self.scaler.get_scale())
+
+    def begin_micro_batch(self) -> None:
+        """Set the scaler to the policy's scale. The scale of a step is the policy's, never GradScaler's own (which
+        would only ever grow); the previous optimizer step has run, so changing it now is safe. Set on the device
+        every micro-batch (a fill, no read back: the scaler's own growth may have changed it)."""
+        if self.policy is None:
+            threshold = NoisedOverflowScalePolicy.threshold_for(self.noise_multiplier, self.expected_batch_size)
+            self.policy = NoisedOverflowScalePolicy(scale=float(self.scaler.get_scale()), threshold=threshold)
+        if self.scaler._get_scale_async() is not None:
+            self.scaler.update(new_scale=self.policy.scale)
+
+    def count_dropped(self, per_group_norms: torch.Tensor) -> None:
+        """Each example counts the share of its clipping groups whose scaled gradient overflowed (weight 0): with k of
+        G groups kept, its contribution (k groups at C / sqrt(G), count (G - k) / G) has norm at most C, so the noised
+        count stays one Gaussian mechanism with the gradient. Summed on the device (float64, as a host sum would be):
+        read once per step, by the policy."""
+        dropped = (~torch.isfinite(per_group_norms)).float().mean(0)
+        self._dropped = self._dropped + dropped.sum().to(_count_dtype(dropped.device))
+
+    def take_dropped(self, device: torch.device | str) -> torch.Tensor:
+        """The step's count as a ``[1]`` float32 tensor on ``device``, to noise and reduce (the count starts again)."""
+        count = self._dropped
+        if isinstance(count, torch.Tensor):
+            dropped = count.to(device=device, dtype=torch.float32).reshape(1)
+        else:
+            dropped = torch.tensor([count], dtype=torch.float32, device=device)
+        self._dropped = 0.0
+        return dropped
+
+    def update(self, noised_dropped: torch.Tensor) -> None:
+        """The scale of the next step, from this step's noised and reduced count (a host read)."""
+        self.policy.update(float(noised_dropped))
+
+
+def _count_dtype(device: torch.device) -> torch.dtype:
+    """float64 where the device has it (the dropped-example count is summed as the host's Python floats were)."""
+    return torch.float32 if device.type == "mps" else torch.float64

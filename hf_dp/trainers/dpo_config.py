@@ -103,4 +103,3 @@ class DPDPOConfig(DPArgumentsMixin, DPOConfig):
     def __post_init__(self):
         super().__post_init__()
         check_dpo_fields(self)
-

@@ -87,4 +87,3 @@ class DPSFTConfig(DPArgumentsMixin, SFTConfig):
     def __post_init__(self):
         super().__post_init__()
         check_sft_fields(self)
-

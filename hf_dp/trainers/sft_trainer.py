@@ -166,4 +166,3 @@ class DPSFTTrainer(DPTrainerMixin, _SFTTrainerInit):
         if self.args.packing:
             section = section.replace(UNIT_ROW, _PACKED_UNIT_ROW)
         return section
-

@@ -27,6 +27,7 @@ from hf_dp.audit import (
     ClassificationCanaries,
     MaskedLMCanaries,
 )
+from hf_dp.step.dp_step import DPStep
 
 VOCAB = 32
 NUM_CANARIES = 256  # ~128 in the training set: q = L / N ~ 1/4
@@ -86,10 +87,10 @@ def audited_run(tmp_dir, private, planted_bug=False):
     trainer = DPTrainer(args=training_args(tmp_dir, True, target_epsilon=1.0), **kwargs)
     noise_calls = []
     if planted_bug:
-        # The one documented hook: DPTrainer._add_noise adds the Gaussian noise. A no-op drops it.
-        with mock.patch.object(DPTrainer, "_add_noise", lambda self, *a, **k: noise_calls.append(1)):
+        # The one documented hook: DPStep.add_noise adds the Gaussian noise. A no-op drops it.
+        with mock.patch.object(DPStep, "add_noise", lambda self, *a, **k: noise_calls.append(1)):
             trainer.train()
-        assert noise_calls, "DPTrainer never called `_add_noise`: the planted bug did not take effect."
+        assert noise_calls, "DPStep never called `add_noise`: the planted bug did not take effect."
     else:
         trainer.train()
     return audit.result(claimed_epsilon=trainer.epsilon(), delta=trainer.delta), trainer

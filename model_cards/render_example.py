@@ -14,14 +14,15 @@ import tempfile
 from pathlib import Path
 
 from hf_dp.accounting import epsilon
-from hf_dp.model_card import DPModelCardData, plot_epsilon_curve, render_dp_section, write_dp_model_card
+from hf_dp.release.epsilon_plot import plot_epsilon_curve
+from hf_dp.release.model_card import DPModelCardData, render_dp_section, write_dp_model_card
 
 HERE = Path(__file__).resolve().parent
 CARD = HERE / "example_rendered_demo_card.md"
 PLOT = "example_epsilon.png"
 NOTE = (
     "> **Example rendering** of the model card that `make demo` writes (values from the demo's settings), produced by "
-    "`python model_cards/render_example.py` from `hf_dp/templates/dp_model_card.md`."
+    "`python model_cards/render_example.py` from `hf_dp/release/templates/dp_model_card.md`."
 )
 
 SIGMA, Q, STEPS, N, DELTA = 0.7415, 0.05, 160, 4000, 1.25e-4

@@ -293,8 +293,8 @@ class TestTemplate:
     def test_top_level_copy_matches_the_package_template(self):
         top = (REPO / "model_cards" / "dp_model_card.md").read_text(encoding="utf-8")
         assert top == template_text(), (
-            "model_cards/dp_model_card.md differs from the packaged hf_dp/templates/dp_model_card.md (the canonical "
-            "one): edit the package copy, then `cp hf_dp/templates/dp_model_card.md model_cards/`."
+            "model_cards/dp_model_card.md differs from the packaged hf_dp/release/templates/dp_model_card.md (the "
+            "canonical one): edit the package copy, then `cp hf_dp/release/templates/dp_model_card.md model_cards/`."
         )
 
     def test_template_path_is_a_deprecated_shim(self):
@@ -353,7 +353,7 @@ def test_built_wheel_ships_the_template(tmp_path):
                    check=True, env=env, cwd=tmp_path)  # fmt: skip
     (wheel,) = (tmp_path / "dist").glob("hf_dp-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "hf_dp/templates/dp_model_card.md" in names
+    assert "hf_dp/release/templates/dp_model_card.md" in names
     assert not [n for n in names if "/share/" in n or ".data/" in n], "no data-files outside the package"
     target = tmp_path / "target"
     subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", target, wheel], check=True, env=env)

@@ -19,7 +19,7 @@ class DPTrainer(DPTrainerMixin, Trainer):
     is the batch's label tensor, or a dict of them when the batch carries several (``label_names``).
 
     Raises:
-        ValueError: before training, for any setting that would break the guarantee (see the README).
+        ValueError: before training, for any setting that would break the guarantee (see docs/).
 
     Example:
         ```python

@@ -23,9 +23,9 @@ Variants:
 * ``ddp-nonprivate``: ``transformers.Trainer``, DDP.
 
 accelerate enables FSDP only on accelerator device types and silently trains with DDP on CPU; the FSDP2 variants
-patch accelerate's ``AcceleratorState.__init__`` in each process (:func:`allow_fsdp_on_cpu`, as ``tests/test_fsdp.py``
-does) so that the FSDP plugin is taken on ``MULTI_CPU`` too; a FSDP2 variant whose parameters are not DTensors after
-training is reported as failed.
+patch accelerate's ``AcceleratorState.__init__`` in each process (:func:`allow_fsdp_on_cpu`, as
+``tests/step/test_fsdp.py`` does) so that the FSDP plugin is taken on ``MULTI_CPU`` too; a FSDP2 variant whose
+parameters are not DTensors after training is reported as failed.
 
 The DP variants use the DPTrainer's defaults (Poisson sampling, so a process's micro-batch has ``--batch`` examples
 in expectation; ``bk-mixopt``; the self-check on the first micro-batch) with ``noise_multiplier`` fixed and, by
@@ -122,8 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def allow_fsdp_on_cpu() -> None:
     """Let accelerate take the FSDP plugin on ``MULTI_CPU`` processes (it otherwise falls back to DDP on CPU).
 
-    A copy of ``tests/test_fsdp.py``'s ``_allow_fsdp_on_cpu``: after accelerate's own ``AcceleratorState.__init__``,
-    do what accelerate does for the GPU device types (distributed type FSDP, the plugin kept). Idempotent."""
+    A copy of ``tests/helpers/distributed.py``'s ``allow_fsdp_on_cpu``: after accelerate's own
+    ``AcceleratorState.__init__``, do what accelerate does for the GPU device types (distributed type FSDP, the plugin
+    kept). Idempotent."""
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
@@ -364,7 +365,7 @@ class _Job:
 
 def launch(variant: str, args: argparse.Namespace, result_dir: str) -> list[dict]:
     """Run ``variant`` in ``WORLD_SIZE`` spawned gloo processes (accelerate's debug-launcher environment, as in
-    ``tests/test_fsdp.py``); the results of every rank, by rank."""
+    ``tests/step/test_fsdp.py``); the results of every rank, by rank."""
     import socket
 
     from accelerate.utils import PrepareForLaunch, patch_environment

@@ -7,7 +7,7 @@ One command for one GPU, under 8 minutes by default (issue 19, item 7). A benchm
     python benchmarks/gpu_check.py --out gpu_check.json         # also a JSON of every measurement
     python benchmarks/gpu_check.py --parts speed --models small --batch 32 --seq 256
     python benchmarks/gpu_check.py --parts maxbatch --maxbatch-models small medium --maxbatch-budget-s 400
-    python benchmarks/gpu_check.py --device cpu --tiny          # smoke test on CPU (tests/test_gpu_check.py)
+    python benchmarks/gpu_check.py --device cpu --tiny          # smoke test on CPU (tests/benchmarks/test_gpu_check.py)
 
 Parts, run in this order, each within its own time budget (and all within ``--budget-s``): a measurement that fails
 prints its error and the run goes on; what a spent budget leaves out is printed as ``status=skipped``.

@@ -2,7 +2,7 @@
 
 The values are those of the offline demo (``make demo``: N = 4000, L = 200, C = 0.5, 160 noisy steps, sigma
 calibrated to epsilon 8 under RDP); the epsilons are recomputed with ``hf_dp.accounting``. Run it after changing the
-template; ``tests/test_model_card.py`` checks that the checked-in rendering is up to date.
+template; ``tests/release/test_model_card.py`` checks that the checked-in rendering is up to date.
 
     python model_cards/render_example.py
 """

@@ -1,5 +1,5 @@
-"""DP trainers for TRL: :class:`DPSFTTrainer` / :class:`DPSFTConfig` (supervised fine-tuning), and
-:class:`DPDPOTrainer` / :class:`DPDPOConfig` (preference optimisation, in :mod:`hf_dp.trainers.dpo`).
+"""``DPSFTTrainer``: TRL's supervised fine-tuning with DP training (its config: :mod:`.sft_config`; the DPO pair:
+:mod:`.dpo_config`, :mod:`.dpo_trainer`).
 
 TRL's ``sft.py`` changes three names: ``SFTConfig`` -> ``DPSFTConfig``, ``SFTTrainer`` -> ``DPSFTTrainer`` and the
 import. Everything else is TRL's: the model given as a Hub id or path (``model_init_kwargs``), ``peft_config``,

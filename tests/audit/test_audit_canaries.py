@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from models import VOCAB, bert_classifier, gpt2, roberta_mlm
+from helpers.models import VOCAB, bert_classifier, gpt2, roberta_mlm
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from hf_dp.audit import (

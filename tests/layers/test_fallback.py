@@ -2,7 +2,7 @@ import logging
 
 import pytest
 import torch
-from oracle import check_clipper
+from helpers.oracle import check_clipper
 from torch import nn
 
 from hf_dp import BookKeepingClipper, UnsupportedModuleError

@@ -1,7 +1,7 @@
 import pytest
 import torch
-from models import causal_batches, causal_loss, gpt2_prefix
-from oracle import check_clipper
+from helpers.models import causal_batches, causal_loss, gpt2_prefix
+from helpers.oracle import check_clipper
 
 
 @pytest.mark.parametrize("projection", [False, True])

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from oracle import check_clipper
+from helpers.oracle import check_clipper
 from torch import nn
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm

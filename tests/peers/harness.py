@@ -1,8 +1,8 @@
 """Run one peer configuration against ``BookKeepingClipper`` and classify the outcome.
 
 A configuration is a model factory, its micro-batches and a per-example loss. The float64 oracle of
-``tests/oracle.py`` (one autograd call per example) gives the reference norms and the accumulated clipped sum; the
-engine then runs on a fresh copy of the same model. The outcome is
+``tests/helpers/oracle.py`` (one autograd call per example) gives the reference norms and the accumulated clipped sum;
+the engine then runs on a fresh copy of the same model. The outcome is
 
 * ``"exact"``: every per-example norm within ``rel`` (elementwise) and every parameter's accumulated clipped sum
   within ``rel`` (relative to its norm, with the oracle's round-off floor);
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from oracle import oracle_clipped
+from helpers.oracle import oracle_clipped
 from torch import Tensor, nn
 
 import hf_dp

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from oracle import oracle_clipped
+from helpers.oracle import oracle_clipped
 from torch import nn
 
 from hf_dp import BookKeepingClipper

@@ -46,7 +46,7 @@ for _path in (os.path.dirname(_HERE), os.path.join(os.path.dirname(_HERE), "peer
 
 import torch  # noqa: E402
 from harness import _raised_by_hf_dp, project  # noqa: E402
-from oracle import clip_factors, oracle_clipped  # noqa: E402
+from helpers.oracle import clip_factors, oracle_clipped  # noqa: E402
 from shrink import MAX_PARAMS, TASKS, TooLarge, build_tiny, count_params, is_moe, task_types, tiny_config  # noqa: E402
 
 import hf_dp  # noqa: E402

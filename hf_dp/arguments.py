@@ -7,45 +7,18 @@ the matching transformers class, so a seq2seq script changes the same names as a
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from dataclasses import dataclass, field
 
 from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
-from .accounting import ACCOUNTANTS, PROVEN_ACCOUNTANTS, check_proven_accountant
-from .engine import CLIPPING_MODES
+from .accounting import PROVEN_ACCOUNTANTS
+from .argument_checks import CLIPPING_FNS, PRIVACY_UNITS, TRAINER_CLIPPING_MODES, check_dp_fields
 from .losses import LOSS_TYPES
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DPArgumentsMixin", "DPSeq2SeqTrainingArguments", "DPTrainingArguments"]
-
-TRAINER_CLIPPING_MODES = sorted(m for m in CLIPPING_MODES if m != "ghost")
-CLIPPING_STYLES = ["all-layer", "layer-wise", "param-wise"]
-CLIPPING_FNS = ["abadi", "automatic"]
-#: What the guarantee protects.
-PRIVACY_UNITS = {"example": "one row of the training set", "user": "every row of one user (`user_column`)"}
-
-
-def _parse_clipping_style(style):
-    """A named style, or groups of parameter-name patterns (a list of lists, or ``"a,b;c"``)."""
-    if isinstance(style, str) and style in CLIPPING_STYLES:
-        return style
-    if isinstance(style, str) and not any(c in style for c in ";,*?["):  # a misspelt name, not a pattern group
-        raise ValueError(f"Unknown `clipping_style` {style!r}. Choose one of {CLIPPING_STYLES}, or pattern groups.")
-    groups = [g.split(",") for g in style.split(";")] if isinstance(style, str) else style
-    try:
-        groups = [[str(p).strip() for p in group if str(p).strip()] for group in groups]
-    except TypeError:
-        groups = None
-    if not groups or any(not g for g in groups):
-        raise ValueError(
-            f"`clipping_style`={style!r} is neither one of {CLIPPING_STYLES} nor non-empty groups of parameter-name "
-            "patterns (a list of lists, or 'pattern,pattern;pattern')."
-        )
-    return groups
-
 
 _DP_PARAMETERS_DOC = r"""
     > Parameters that control the privacy guarantee
@@ -151,6 +124,14 @@ _DP_PARAMETERS_DOC = r"""
     count_noise_multiplier (`float`, *optional*, defaults to `None`):
         Standard deviation of the noise on the count of unclipped units (> `sigma / 2`). `None`: `L / 20` (the
         paper's recommendation), or `sigma` if that is larger (small batches: the gradient's noise then grows 15%).
+
+    > Parameters that control the privacy record
+
+    earlier_runs (`str`, *optional*, defaults to `"count"`):
+        What to do with the noisy steps of other runs that `output_dir`'s privacy ledger records (a run that crashed
+        before its first checkpoint, an earlier run in the same folder): `"count"` them as spent (the stated epsilon,
+        the budget and the calibration of sigma cover them), or `"exclude"` them (the console and the model card
+        then say that the stated epsilon does not cover them). Use a new `output_dir` for an unrelated run.
 
     > [!NOTE]
     > Changed defaults: `max_grad_norm=0.0`. Clipping the summed gradient after the noise is added (what
@@ -264,174 +245,18 @@ class DPArgumentsMixin:
     count_noise_multiplier: float | None = field(
         default=None, metadata={"help": "Adaptive clipping: noise std of the unclipped count (None: max(L/20, sigma))."}
     )
+    earlier_runs: str = field(
+        default="count",
+        metadata={
+            "help": "Noisy steps of other runs in output_dir's privacy ledger: 'count' them as spent, or 'exclude' "
+            "them (the card then says they are not covered).",
+            "choices": ["count", "exclude"],
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
-        self._check_dp_fields()
-
-    def _check_dp_fields(self) -> None:
-        """Check the DP fields, and the Trainer settings DP-SGD cannot run with, one concern after the other (the first
-        problem found raises; a few fields are normalised on the way: `epsilon_accountants`, `clipping_style`,
-        `max_examples_per_user`)."""
-        self._check_summed_gradient_clipping()
-        self._check_noise_budget()
-        if not self.per_sample_max_grad_norm > 0:
-            raise ValueError(f"`per_sample_max_grad_norm` must be > 0, got {self.per_sample_max_grad_norm}.")
-        self._check_accountants()
-        self._check_clipping_policy()
-        self._check_per_example_loss()
-        self._check_poisson_sampling()
-        self._check_privacy_unit()
-        self._check_adaptive_clipping()
-        self._check_unsupported_trainer_features()
-
-    def _check_summed_gradient_clipping(self) -> None:
-        if self.max_grad_norm and self.max_grad_norm > 0:
-            raise ValueError(
-                f"`max_grad_norm`={self.max_grad_norm} is not supported by DPTrainer, because clipping the noisy "
-                "summed gradient is not part of DP-SGD. Set `max_grad_norm=0` and use `per_sample_max_grad_norm`."
-            )
-
-    def _check_noise_budget(self) -> None:
-        """Exactly one of a budget and a noise multiplier, each in range, and a delta in (0, 1)."""
-        if (self.target_epsilon is None) == (self.noise_multiplier is None):
-            raise ValueError(
-                "Give exactly one of `target_epsilon` (calibrate the noise to a budget) and `noise_multiplier`; got "
-                f"target_epsilon={self.target_epsilon}, noise_multiplier={self.noise_multiplier}."
-            )
-        if self.target_epsilon is not None and not (self.target_epsilon > 0 and math.isfinite(self.target_epsilon)):
-            raise ValueError(f"`target_epsilon` must be a finite number > 0, got {self.target_epsilon}.")
-        if self.noise_multiplier is not None and not self.noise_multiplier >= 0:
-            raise ValueError(f"`noise_multiplier` must be >= 0, got {self.noise_multiplier}.")
-        if self.noise_multiplier == 0:
-            logger.warning("`noise_multiplier=0`: no noise is added and epsilon is infinite (no privacy).")
-        if self.target_delta is not None and not 0 < self.target_delta < 1:
-            raise ValueError(f"`target_delta` must be in (0, 1), got {self.target_delta}.")
-
-    def _check_accountants(self) -> None:
-        """A proven headline accountant, and known logged ones (a comma-separated string becomes a list)."""
-        check_proven_accountant(self.accountant)
-        if isinstance(self.epsilon_accountants, str):
-            self.epsilon_accountants = [a for a in self.epsilon_accountants.split(",") if a]
-        for name in self.epsilon_accountants:
-            if name not in ACCOUNTANTS:
-                raise ValueError(
-                    f"Unknown accountant {name!r} in `epsilon_accountants`. Choose from {sorted(ACCOUNTANTS)}."
-                )
-
-    def _check_clipping_policy(self) -> None:
-        """The clipping mode, style (pattern groups parsed), function and its gamma."""
-        if self.clipping_mode not in TRAINER_CLIPPING_MODES:
-            raise ValueError(
-                f"`clipping_mode`={self.clipping_mode!r} is not supported by DPTrainer. Choose one of "
-                f"{TRAINER_CLIPPING_MODES} ('ghost' needs two backward passes and exists for benchmarks only)."
-            )
-        self.clipping_style = _parse_clipping_style(self.clipping_style)
-        if self.clipping_fn not in CLIPPING_FNS:
-            raise ValueError(f"Unknown `clipping_fn` {self.clipping_fn!r}. Choose one of {CLIPPING_FNS}.")
-        if not self.automatic_clipping_gamma > 0:
-            raise ValueError(f"`automatic_clipping_gamma` must be > 0, got {self.automatic_clipping_gamma}.")
-
-    def _check_per_example_loss(self) -> None:
-        if self.per_example_loss_reduction not in ("mean", "sum"):
-            raise ValueError(
-                f"`per_example_loss_reduction` must be 'mean' or 'sum', got {self.per_example_loss_reduction!r}."
-            )
-        if self.dp_loss_type not in ("auto", *LOSS_TYPES):
-            raise ValueError(f"Unknown `dp_loss_type` {self.dp_loss_type!r}. Choose one of {['auto', *LOSS_TYPES]}.")
-
-    def _check_poisson_sampling(self) -> None:
-        """No Trainer setting that fixes the batch size or chooses the examples of a Poisson batch."""
-        if not self.poisson_sampling:
-            return
-        if self.dataloader_drop_last:
-            raise ValueError(
-                "`dataloader_drop_last=True` is not supported with Poisson sampling, because logical batches have "
-                "random sizes by design. Set `dataloader_drop_last=False` (or `poisson_sampling=False`)."
-            )
-        if self.train_sampling_strategy in ("sequential", "batch_rebalance"):
-            raise ValueError(
-                f"`train_sampling_strategy={self.train_sampling_strategy!r}` is not supported with Poisson "
-                "sampling, because it chooses which examples form a batch and so breaks the sampling the "
-                "accountant assumes. Use 'random', or 'group_by_length' (which only orders each Poisson batch by "
-                "length before cutting it into micro-batches)."
-            )
-
-    def _check_unsupported_trainer_features(self) -> None:
-        """Trainer features that break per-example clipping or the sample rate."""
-        if self.torch_compile:
-            raise ValueError(
-                "`torch_compile=True` is not supported by DPTrainer: the compiled graph bypasses the book-keeping "
-                "hooks, so every clipped gradient would be zero and training would run on noise alone. Set "
-                "`torch_compile=False`."
-            )
-        if self.neftune_noise_alpha is not None:
-            raise ValueError(
-                f"`neftune_noise_alpha`={self.neftune_noise_alpha} is not supported by DPTrainer, because NEFTune "
-                "scales each example's embedding noise by the padded length of its micro-batch, so one example's "
-                "update depends on its neighbours. Set `neftune_noise_alpha=None`."
-            )
-        if self.auto_find_batch_size:
-            raise ValueError(
-                "`auto_find_batch_size=True` is not supported by DPTrainer, because it changes the sample rate "
-                "mid-training. Set `auto_find_batch_size=False`."
-            )
-
-    def _check_privacy_unit(self) -> None:
-        if self.privacy_unit not in PRIVACY_UNITS:
-            raise ValueError(f"Unknown `privacy_unit` {self.privacy_unit!r}. Choose one of {list(PRIVACY_UNITS)}.")
-        if self.privacy_unit == "example":
-            if self.user_column is not None or self.max_examples_per_user is not None:
-                raise ValueError(
-                    "`user_column`/`max_examples_per_user` are set but `privacy_unit='example'`: the guarantee would "
-                    "protect one row, not one user. Set `privacy_unit='user'` to protect every row of a user, or "
-                    "drop those two settings."
-                )
-            return
-        if not self.user_column:
-            raise ValueError(
-                "`privacy_unit='user'` needs `user_column`: the training-set column naming each row's user."
-            )
-        k = self.max_examples_per_user
-        if k is None or isinstance(k, bool) or int(k) != k or k < 1:
-            raise ValueError(
-                f"`privacy_unit='user'` needs `max_examples_per_user` (an integer >= 1), got {k!r}: it bounds how "
-                "many rows of one user a logical batch holds (the rows of a user are clipped together, so it sets "
-                "memory, not the guarantee)."
-            )
-        self.max_examples_per_user = int(k)
-        if not self.poisson_sampling:
-            raise ValueError(
-                "`privacy_unit='user'` needs `poisson_sampling=True`: the user-level guarantee is that of users "
-                "sampled independently with probability q. Shuffled batches of rows with user-level clipping are a "
-                "different mechanism that hf_dp does not account."
-            )
-        if self.train_sampling_strategy == "group_by_length":
-            raise ValueError(
-                "`train_sampling_strategy='group_by_length'` is not supported with `privacy_unit='user'` (the rows of "
-                "a user stay together in one micro-batch). Use 'random'."
-            )
-
-    def _check_adaptive_clipping(self) -> None:
-        if not self.adaptive_clipping:
-            return
-        if self.clipping_style != "all-layer" or self.clipping_fn != "abadi":
-            raise ValueError(
-                "`adaptive_clipping=True` needs `clipping_style='all-layer'` and `clipping_fn='abadi'` (one clipping "
-                f"norm, and a count of units under it), got clipping_style={self.clipping_style!r}, "
-                f"clipping_fn={self.clipping_fn!r}."
-            )
-        if self.noise_multiplier == 0:
-            raise ValueError(
-                "`adaptive_clipping=True` with `noise_multiplier=0`: the count of unclipped units would be published "
-                "without noise. Use a noise multiplier > 0 or a target epsilon."
-            )
-        if not 0 < self.target_unclipped_quantile < 1:
-            raise ValueError(f"`target_unclipped_quantile` must be in (0, 1), got {self.target_unclipped_quantile}.")
-        if not self.clipping_norm_lr > 0:
-            raise ValueError(f"`clipping_norm_lr` must be > 0, got {self.clipping_norm_lr}.")
-        if self.count_noise_multiplier is not None and not self.count_noise_multiplier > 0:
-            raise ValueError(f"`count_noise_multiplier` must be > 0, got {self.count_noise_multiplier}.")
+        check_dp_fields(self)
 
 
 def _dp_doc(base: str) -> str:

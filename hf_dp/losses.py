@@ -31,6 +31,7 @@ __all__ = [
     "seq2seq_lm_loss",
     "sequence_classification_loss",
     "single_label_classification_loss",
+    "target_counts",
     "token_classification_loss",
     "token_loss",
 ]
@@ -317,6 +318,22 @@ LABEL_NAMES: dict[str, tuple[str, ...]] = {
     "ctc": ("labels",),
 }
 LOSS_TYPES = sorted(PER_EXAMPLE_LOSSES)
+#: Loss types over an example's target tokens (label ``-100``: not a target): an example without one adds nothing.
+TOKEN_LOSS_TYPES = ("causal_lm", "masked_lm", "seq2seq_lm", "token_classification", "ctc")
+
+
+def target_counts(loss_type: str, labels: Mapping[str, Tensor]) -> Tensor | None:
+    """``[B]``: how many tokens of each example the loss of ``loss_type`` learns from (for causal LM, the labels after
+    the one-token shift); `None` for a loss with one target per example, or a batch without its label tensor."""
+    if loss_type not in TOKEN_LOSS_TYPES:
+        return None
+    if loss_type == "causal_lm" and "shift_labels" in labels:
+        targets = labels["shift_labels"]
+    elif "labels" not in labels or not isinstance(labels["labels"], Tensor) or labels["labels"].dim() < 2:
+        return None
+    else:
+        targets = labels["labels"][:, 1:] if loss_type == "causal_lm" else labels["labels"]
+    return (targets != IGNORE_INDEX).reshape(targets.shape[0], -1).sum(1)
 
 
 def per_example_loss(

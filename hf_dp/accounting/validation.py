@@ -17,12 +17,12 @@ __all__ = [
 
 
 def check_delta(delta: float) -> None:
-    if not (isinstance(delta, int | float) and 0 < delta < 1):
+    if not (_real(delta) and 0 < delta < 1):
         raise ValueError(f"`delta` must be in (0, 1), got {delta}.")
 
 
 def check_sample_rate(sample_rate: float) -> None:
-    if not (isinstance(sample_rate, int | float) and 0 < sample_rate <= 1):
+    if not (_real(sample_rate) and 0 < sample_rate <= 1):
         raise ValueError(f"`sample_rate` must be in (0, 1], got {sample_rate}.")
 
 
@@ -32,13 +32,18 @@ def check_steps(steps: int) -> None:
 
 
 def check_noise_multiplier(noise_multiplier: float) -> None:
-    if not (isinstance(noise_multiplier, int | float) and noise_multiplier >= 0 and not math.isnan(noise_multiplier)):
-        raise ValueError(f"`noise_multiplier` must be >= 0, got {noise_multiplier}.")
+    """A finite sigma >= 0 (an infinite one states no mechanism a step can run, and has no accounting)."""
+    if not (_real(noise_multiplier) and math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+        raise ValueError(f"`noise_multiplier` must be a finite number >= 0, got {noise_multiplier}.")
 
 
 def check_target_epsilon(target_epsilon: float) -> None:
-    if not (isinstance(target_epsilon, int | float) and target_epsilon > 0 and math.isfinite(target_epsilon)):
+    if not (_real(target_epsilon) and target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise ValueError(f"`target_epsilon` must be a finite number > 0, got {target_epsilon}.")
+
+
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_segments(segments: Sequence, name: str = "segments") -> list[tuple[float, float, int]]:

@@ -1,34 +1,35 @@
 """Account: the run's privacy record. The accountant's history lives in :class:`DPCallback` (saved with every
-checkpoint), every noisy step is appended to the privacy ledger before the optimizer applies it, and a resume takes
-the larger of the two (:mod:`.resume`), so the privacy spent never goes down. The math is in :mod:`hf_dp.accounting`.
+checkpoint), every noisy step is appended to the hash-chained privacy ledger before the optimizer applies it, every
+checkpoint carries the ledger up to its step, and a resume checks them against each other (:mod:`.resume`), so the
+privacy spent never goes down. The math is in :mod:`hf_dp.accounting`.
 
 * :mod:`.callback`: :class:`DPCallback`, the accountant, the budget stop and the checks of the frozen settings;
-* :mod:`.ledger`: :class:`PrivacyLedger`, the training set's fingerprint and the checks of a checkpoint's DP state;
-* :mod:`.resume`: the privacy spent, restored from a checkpoint and reconciled with the ledger.
+* :mod:`.ledger`: :class:`PrivacyLedger` and :func:`read_ledger`, the ledger's records and their chain;
+* :mod:`.fingerprint`: the training set's keyed fingerprint;
+* :mod:`.checkpoint`: the checks of a checkpoint's DP state;
+* :mod:`.resume`: the privacy spent, restored from a checkpoint and reconciled with the ledgers;
+* :mod:`.earlier_runs`: the noisy steps of earlier runs in the same output folder (counted, or said not covered).
 """
 
 from .callback import DPCallback
-from .ledger import (
-    LEDGER_NAME,
+from .checkpoint import (
     CheckpointDPStateError,
-    PrivacyLedger,
     TrainingSetMismatchError,
     check_checkpoint_dp_state,
-    data_fingerprint,
-    fingerprint_key,
-    fingerprint_mismatch,
     history_steps,
-    ledger_history,
-    new_run_id,
     read_checkpoint_dp_state,
 )
+from .fingerprint import KEY_NAME, data_fingerprint, fingerprint_key, fingerprint_mismatch
+from .ledger import LEDGER_NAME, PrivacyLedger, RunChain, ledger_history, new_run_id, read_ledger
 from .resume import checkpoint_to_resume, restore_privacy_spent
 
 __all__ = [
+    "KEY_NAME",
     "LEDGER_NAME",
     "CheckpointDPStateError",
     "DPCallback",
     "PrivacyLedger",
+    "RunChain",
     "TrainingSetMismatchError",
     "check_checkpoint_dp_state",
     "checkpoint_to_resume",
@@ -39,5 +40,6 @@ __all__ = [
     "ledger_history",
     "new_run_id",
     "read_checkpoint_dp_state",
+    "read_ledger",
     "restore_privacy_spent",
 ]

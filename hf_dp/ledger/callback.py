@@ -39,9 +39,12 @@ class DPCallback(TrainerCallback, ExportableState):
     run's privacy ledger (:class:`~hf_dp.ledger.ledger.PrivacyLedger`) when it records it (``fsync``-ed at saves and at
     the end of training).
 
-    Saved with checkpoints besides the history: ``run_id`` (the run's identity in the ledger) and
-    ``data_fingerprint`` (:func:`~hf_dp.ledger.ledger.data_fingerprint` of the training set), which a resume checks;
-    with adaptive clipping, the clipping norm of every step and of the next one (noisy releases: post-processing).
+    Saved with checkpoints besides the history: ``run_id`` (the run's identity in the ledger),
+    ``data_fingerprint`` (:func:`~hf_dp.ledger.fingerprint.data_fingerprint` of the training set) and
+    ``ledger_head`` (the hash of the run's last ledger line), which a resume checks; ``carried`` (the noisy steps of
+    earlier runs in the same output folder that this run counts as spent) and ``not_covered`` (what the stated
+    epsilon leaves out, said on the console and the card); with adaptive clipping, the clipping norm of every step and
+    of the next one (noisy releases: post-processing).
     """
 
     def __init__(self) -> None:
@@ -56,6 +59,12 @@ class DPCallback(TrainerCallback, ExportableState):
         #: Adaptive clipping: the clipping norm C of every step taken (in order), and the C of the next step.
         self.clip_norms: list[float] = []
         self.next_clip_norm: float | None = None
+        #: The hash of the run's last ledger line ("" before its first step).
+        self.ledger_head = ""
+        #: Earlier runs of this output folder counted as spent: ``{"run": id, "history": [[sigma, q, steps], ...]}``.
+        self.carried: list[dict[str, Any]] = []
+        #: What the stated epsilon does not cover (one sentence each).
+        self.not_covered: list[str] = []
         self._budget_steps: int | None = None
         self._frozen: DPPlan | None = None
         self._ledger: PrivacyLedger | None = None
@@ -104,6 +113,16 @@ class DPCallback(TrainerCallback, ExportableState):
     def history(self, value: list[list[float]]) -> None:
         self.accountant.history = [[float(s), float(q), int(n)] for s, q, n in value]
 
+    @property
+    def spent_history(self) -> list[list[float]]:
+        """Every segment the stated epsilon covers: the carried earlier runs', then this run's."""
+        return [list(s) for run in self.carried for s in run["history"]] + [list(s) for s in self.history]
+
+    @property
+    def carried_steps(self) -> int:
+        """Noisy steps of earlier runs counted as spent."""
+        return sum(int(s[2]) for run in self.carried for s in run["history"])
+
     def state(self) -> dict[str, Any]:
         return {
             "args": {},
@@ -116,6 +135,9 @@ class DPCallback(TrainerCallback, ExportableState):
                 "data_fingerprint": self.data_fingerprint,
                 "clip_norms": self.clip_norms,
                 "next_clip_norm": self.next_clip_norm,
+                "ledger_head": self._ledger.head if self._ledger is not None else self.ledger_head,
+                "carried": self.carried,
+                "not_covered": self.not_covered,
             },
         }
 
@@ -128,6 +150,9 @@ class DPCallback(TrainerCallback, ExportableState):
         "data_fingerprint",
         "clip_norms",
         "next_clip_norm",
+        "ledger_head",
+        "carried",
+        "not_covered",
     )
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -142,13 +167,19 @@ class DPCallback(TrainerCallback, ExportableState):
         """Noisy steps recorded so far (all ``train()`` calls and resumed segments)."""
         return self.accountant.steps
 
-    def record_step(self, *, noise_multiplier: float, sample_rate: float) -> None:
+    def record_step(self, *, noise_multiplier: float, sample_rate: float, max_grad_norm: float | None = None) -> None:
         """One noisy step with these settings (called where the noise is added), appended to the ledger at once:
         before the optimizer applies it, so no model anybody sees can come from a step the ledger lacks."""
         if self._ledger is not None:
-            self._ledger.record(self.steps, noise_multiplier, sample_rate)
+            self._ledger.record(self.steps, noise_multiplier, sample_rate, max_grad_norm)
             self._ledger.flush()
+            self.ledger_head = self._ledger.head
         self.accountant.step(1, noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+
+    def write_ledger_copy(self, folder: str) -> None:
+        """The run's ledger lines into ``folder`` (a checkpoint: its history travels with it); main process only."""
+        if self._ledger is not None:
+            self._ledger.write_copy(folder)
 
     def record_clip_norm(self, used: float, next_clip_norm: float) -> None:
         """Adaptive clipping: the C a step used and the C of the next step (noisy releases: post-processing)."""
@@ -170,7 +201,11 @@ class DPCallback(TrainerCallback, ExportableState):
         """Epsilon spent so far (``math.inf`` with zero noise)."""
         if self.delta is None:
             raise RuntimeError("DPCallback.configure() was not called: delta is unknown.")
-        return self.accountant.epsilon(self.delta, accountant)
+        if not self.carried:
+            return self.accountant.epsilon(self.delta, accountant)
+        return segments_epsilon(
+            [tuple(s) for s in self.spent_history], self.delta, accountant or self.accountant.accountant
+        )
 
     def steps_within_budget(self, max_future: int | None = None) -> int | None:
         """Total number of steps (taken and future, at the configured sigma and q) that keeps epsilon within budget.
@@ -183,7 +218,7 @@ class DPCallback(TrainerCallback, ExportableState):
             return None
         if self.noise_multiplier == 0:
             return self.steps
-        past = [tuple(s) for s in self.history]
+        past = [tuple(s) for s in self.spent_history]
 
         def within(n: int) -> bool:
             future = [(self.noise_multiplier, self.sample_rate, n)]

@@ -1,27 +1,28 @@
-"""The privacy record of a run: an append-only ledger of noisy steps, the training-set fingerprint, and the checks a
-checkpoint's DP state must pass before a resume trusts it (DESIGN §6 rule 21).
+"""The privacy ledger of a run: an append-only, hash-chained record of every noisy step (DESIGN §6 rule 21, §7 rule 22).
 
 Checkpoints are not a safe record of the privacy spent: ``save_total_limit`` deletes them, ``load_best_model_at_end``
-with ``save_total_limit=1`` keeps only the best (an earlier one), and a resume from it would forget every noisy step
-taken after it, although the models of those steps were evaluated, logged or pushed. So every noisy step is also
-appended to ``output_dir/dp_ledger.jsonl`` (outside the ``checkpoint-*`` folders), one JSON line per batch of steps
-written together::
+with ``save_total_limit=1`` keeps only the best (an earlier one), a crash before the first checkpoint leaves none. So
+every noisy step is also appended to ``output_dir/dp_ledger.jsonl`` (outside the ``checkpoint-*`` folders) where the
+noise is added, before the optimizer applies it, one JSON line per batch of steps written together::
 
-    {"format": 1, "run": "3f2a...", "step": 12, "steps": 1, "noise_multiplier": 1.0, "sample_rate": 0.01,
-     "num_examples": 1000, "data": "9b1c..."}
+    {"format": 2, "run": "3f2a...", "step": 12, "steps": 1, "noise_multiplier": 1.0, "sample_rate": 0.01,
+     "max_grad_norm": 0.1, "delta": 1e-05, "accountant": "rdp", "unit": "example", "max_examples_per_user": null,
+     "num_examples": 1000, "data": "9b1c...", "prev": "5e0d...", "hash": "a41f..."}
 
 ``run`` identifies the run (random, drawn at its first ``train()``, saved with its checkpoints, kept by a resume);
 ``step`` is the index of the first noisy step of the line in that run (0-based, over every ``train()`` call and
-resume), ``steps`` how many consecutive steps with that ``noise_multiplier`` and ``sample_rate`` the line records.
-``data`` is the fingerprint of the training set (:func:`data_fingerprint`). The ledger holds no seed, no generator
-state, no loss, no statistic of the batches, and no time stamp (the time a step takes depends on the size of its
-Poisson batch, an un-noised statistic: DESIGN §4 rule 15). A resume takes the larger of the ledger's steps of the
-checkpoint's run and the checkpoint's own history (:func:`ledger_history`).
+resume), ``steps`` how many consecutive steps with these settings the line records (C is the step's own under
+adaptive clipping). ``data`` is the fingerprint of the training set (:mod:`hf_dp.ledger.fingerprint`).
 
-The ``data`` fingerprint (and the ``data_fingerprint`` saved with checkpoints) is a hash of training rows keyed with
-a random key kept in ``output_dir/_dp_fingerprint.key`` (:func:`fingerprint_key`): it identifies the training set for
-a resume in the same output folder, and without the key it is no membership oracle for whoever reads a pushed
-checkpoint. A resume in another folder (without the key) cannot compare contents and says so; N is still checked.
+**Tamper-evident.** ``hash`` is a hash of the line's other fields, ``prev`` the ``hash`` of the run's previous line
+("" for its first): the lines of a run form a chain, so an edited line, a removed one or a ledger rewound to an earlier
+state is detected (:func:`read_ledger`). A checkpoint saves the chain's last ``hash`` and carries a copy of the run's
+lines (:meth:`PrivacyLedger.write_copy`), so it knows its history wherever it is copied, and a resume checks the
+checkpoint and the ledgers against each other (:mod:`hf_dp.ledger.resume`). The chain is not keyed: it catches
+accidents, lost files and edits of a single field, not a forger who recomputes every hash.
+
+The ledger holds no seed, no generator state, no loss, no statistic of the batches, and no time stamp (the time a step
+takes depends on the size of its Poisson batch, an un-noised statistic: DESIGN §4 rule 15).
 """
 
 from __future__ import annotations
@@ -29,43 +30,32 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
-import re
 import uuid
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
-import torch
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "LEDGER_NAME",
-    "CheckpointDPStateError",
-    "TrainingSetMismatchError",
+    "SETTINGS_FIELDS",
     "PrivacyLedger",
-    "check_checkpoint_dp_state",
-    "data_fingerprint",
-    "fingerprint_key",
-    "fingerprint_mismatch",
-    "history_steps",
+    "RunChain",
     "ledger_history",
     "new_run_id",
-    "read_checkpoint_dp_state",
+    "read_ledger",
+    "record_hash",
+    "record_link",
 ]
 
 LEDGER_NAME = "dp_ledger.jsonl"
-#: The key of the fingerprints, in ``output_dir`` (never uploaded: the Trainer skips ``_*`` files).
-KEY_NAME = "_dp_fingerprint.key"
-TRAINER_STATE_NAME = "trainer_state.json"
-_FORMAT = 1
-#: Rows hashed into the fingerprint: an Arrow-backed ``datasets.Dataset`` is read in one call, other datasets row by
-#: row (twice, to detect a ``__getitem__`` that is not deterministic, e.g. random augmentation).
-_ARROW_ROWS = 1024
-_ROWS = 64
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+_FORMAT = 2
+#: The DP settings every record states besides its steps' noise multiplier and sample rate.
+SETTINGS_FIELDS = ("max_grad_norm", "delta", "accountant", "unit", "max_examples_per_user")
+#: Fields a record has in every format (format 1 had no settings and no chain).
+_STEP_FIELDS = ("run", "step", "steps", "noise_multiplier", "sample_rate")
 
 
 def new_run_id() -> str:
@@ -73,158 +63,213 @@ def new_run_id() -> str:
     return uuid.uuid4().hex
 
 
-# ---------------------------------------------------------------------------------------------------- fingerprint
-def _sample_indices(n: int, k: int) -> list[int]:
-    """``k`` evenly spaced indices of ``range(n)`` (all of them when ``n <= k``), first and last included."""
-    if n <= k:
-        return list(range(n))
-    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+def record_hash(record: Mapping[str, Any]) -> str:
+    """The hash of a record: of its fields but ``hash`` (``prev`` included, which chains it to the line before)."""
+    body = {k: v for k, v in record.items() if k != "hash"}
+    return hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
-def _encode(value: Any) -> Any:
-    """``json.dumps`` fallback: tensors and arrays by dtype, shape and a hash of their bytes; other objects by type and
-    a stable byte form when they have one."""
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu()
-        if value.is_floating_point() and value.dtype == torch.bfloat16:
-            value = value.float()
-        value = value.numpy()
-    if isinstance(value, np.ndarray):
-        data = np.ascontiguousarray(value)
-        return [
-            "ndarray",
-            str(data.dtype),
-            list(data.shape),
-            hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest(),
-        ]
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, bytes | bytearray | memoryview):
-        return ["bytes", hashlib.blake2b(bytes(value), digest_size=16).hexdigest()]
-    if hasattr(value, "tobytes") and hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
-        return ["image", value.mode, list(value.size), hashlib.blake2b(value.tobytes(), digest_size=16).hexdigest()]
-    if isinstance(value, set | frozenset):
-        return sorted(map(repr, value))
-    return ["object", type(value).__qualname__]  # no stable byte form: its type only (never an address)
+def record_link(record: Mapping[str, Any]) -> str:
+    """What the next record of the run names as ``prev``: the record's ``hash`` (its content hash for format 1)."""
+    return record.get("hash") or record_hash(record)
 
 
-def fingerprint_key(output_dir: str) -> tuple[bytes, bool]:
-    """The key of this output folder's fingerprints (:data:`KEY_NAME`, created on first use): a keyed hash of
-    training rows tells nothing to whoever lacks the key, so the fingerprints saved with checkpoints (which
-    ``hub_strategy`` may push) and in the ledger are no membership oracle. The key stays on the training machine: the
-    Trainer's uploads skip files whose names start with ``_``, and nothing else of hf_dp writes it elsewhere.
-    Returns the key and whether it was created now (fingerprints saved before, elsewhere, cannot be compared)."""
-    path = os.path.join(output_dir, KEY_NAME)
-    if os.path.isfile(path):
-        with open(path) as f:
-            return bytes.fromhex(f.read().strip()), False
-    os.makedirs(output_dir, exist_ok=True)
-    key = os.urandom(32)
-    with open(path, "w") as f:
-        f.write(key.hex())
-    return key, True
+@dataclass
+class RunChain:
+    """The records of one run in one ledger file, in file order, up to the first that breaks the chain.
 
-
-def _hash_rows(rows: Iterable[Any], key: bytes = b"") -> str:
-    digest = hashlib.blake2b(digest_size=16, key=key)
-    for row in rows:
-        digest.update(json.dumps(row, sort_keys=True, default=_encode).encode())
-        digest.update(b"\n")
-    return digest.hexdigest()
-
-
-def data_fingerprint(dataset, key: bytes = b"") -> dict[str, Any]:
-    """What identifies a training set across processes: ``N``, a hash of the content of a deterministic sample of its
-    rows (all rows up to 1024 for a ``datasets.Dataset``, read raw, without its format or transform; up to 64 for
-    another map-style dataset), and the ``datasets`` fingerprint when there is one.
-
-    ``rows`` is ``None`` when the dataset's rows are not deterministic (two reads differ: random augmentation in
-    ``__getitem__``); then only ``N`` and the ``datasets`` fingerprint identify it. Two training sets that differ only
-    in rows outside the sample have the same ``rows``: the check is against a wrong dataset, not an adversary.
-    Both hashes are keyed with ``key`` (:func:`fingerprint_key`): without it they reveal nothing of the rows.
+    Attributes:
+        path (`str`): the ledger file.
+        run_id (`str`): the run.
+        records (`list[dict]`): the run's records that form an unbroken chain from its first line.
+        lines (`list[str]`): their raw lines (copied byte for byte, so that their hashes still hold).
+        problem (`str`, *optional*): why the chain stops before the file's last record of the run (an edited or a
+            missing line), or `None`.
+        base_steps (`int`), base_head (`str`): where the chain starts: step 0 and "" for a chain from the run's first
+            step; a ledger begun at a resumed checkpoint whose earlier lines were lost starts at the checkpoint's step
+            and ``ledger_head`` (its first record says so with ``base_steps``).
     """
-    n = len(dataset)
-    fingerprint: dict[str, Any] = {"num_examples": n, "rows": None, "datasets": None}
-    try:
-        import datasets
 
-        if isinstance(dataset, datasets.Dataset):
-            own = getattr(dataset, "_fingerprint", None)
-            fingerprint["datasets"] = None if own is None else _hash_rows([own], key)
-            table = dataset.with_format("arrow")[_sample_indices(n, _ARROW_ROWS)]  # one read, no decoding, no transform
-            columns = table.to_pydict()
-            names = sorted(columns)
-            fingerprint["rows"] = _hash_rows([names, *zip(*(columns[c] for c in names), strict=True)], key)
-            return fingerprint
-    except ImportError:
-        pass
-    indices = _sample_indices(n, _ROWS)
-    try:
-        first = _hash_rows((dataset[i] for i in indices), key)
-        second = _hash_rows((dataset[i] for i in indices), key)
-    except Exception as error:  # noqa: BLE001 - an unreadable row: the fingerprint is N only, and says why
-        logger.warning("hf_dp: the training set's rows could not be fingerprinted (%s); only N identifies it.", error)
-        return fingerprint
-    if first == second:
-        fingerprint["rows"] = first
-    else:
-        logger.warning(
-            "hf_dp: reading the same training examples twice gave different values (random transforms in "
-            "`__getitem__`?): the training set is identified by N only when resuming."
-        )
-    return fingerprint
+    path: str
+    run_id: str
+    records: list[dict[str, Any]] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    problem: str | None = None
+    base_steps: int = 0
+    base_head: str = ""
 
+    @property
+    def head(self) -> str:
+        """The ``hash`` of the chain's last record (its base for a chain without records)."""
+        return record_link(self.records[-1]) if self.records else self.base_head
 
-def fingerprint_mismatch(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> str | None:
-    """Why ``saved`` and ``current`` are not the same training set (``None`` if they may be)."""
-    if not saved:
+    @property
+    def steps(self) -> int:
+        """Noisy steps the chain accounts (its base included)."""
+        return self.base_steps + sum(int(r["steps"]) for r in self.records)
+
+    def per_step(self) -> dict[int, dict[str, Any]]:
+        """The record of every step the chain holds, by step index, with ``line`` (its line in :attr:`path`)."""
+        out: dict[int, dict[str, Any]] = {}
+        for record in self.records:
+            for index in range(int(record["step"]), int(record["step"]) + int(record["steps"])):
+                out[index] = record
+        return out
+
+    def steps_up_to(self, head: str) -> int | None:
+        """The number of steps up to and including the record whose hash is ``head``, `None` if the chain has no
+        such record (nor base)."""
+        if head == self.base_head:
+            return self.base_steps
+        total = self.base_steps
+        for record in self.records:
+            total += int(record["steps"])
+            if record_link(record) == head:
+                return total
         return None
-    if saved.get("num_examples") is not None and saved.get("num_examples") != current.get("num_examples"):
-        return f"N={saved.get('num_examples')} examples, and this run has N={current.get('num_examples')}"
-    if saved.get("rows") and current.get("rows") and saved["rows"] != current["rows"]:
-        return (
-            f"a training set whose sampled rows hash to {saved['rows'][:12]}, and this run's hash to "
-            f"{current['rows'][:12]} (same N={current.get('num_examples')}, different content)"
+
+    def history_after(self, start: int) -> list[list[float]]:
+        """The ``[sigma, q, steps]`` segments of the steps from ``start`` on (``start >= base_steps``)."""
+        steps = self.per_step()
+        return _segments(
+            (float(steps[i]["noise_multiplier"]), float(steps[i]["sample_rate"]), 1) for i in range(start, self.steps)
         )
+
+    def history(self) -> list[list[float]]:
+        """The chain's ``[sigma, q, steps]`` segments (of the steps it holds: from its base on)."""
+        return _segments((float(r["noise_multiplier"]), float(r["sample_rate"]), int(r["steps"])) for r in self.records)
+
+
+def read_ledger(path: str) -> dict[str, RunChain]:
+    """The chain of every run recorded in the ledger file ``path`` (``{}`` if the file does not exist). A line that
+    is not a record (a torn last line, left by a crash during a write) is skipped with a warning; a record that does
+    not continue its run's chain (edited, or after a removed line) is skipped, and the chain's ``problem`` says so:
+    later records that do continue it (lines restored from a checkpoint's copy) still count."""
+    chains: dict[str, RunChain] = {}
+    if not os.path.isfile(path):
+        return chains
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            record = _parse(line, path, number)
+            if record is None:
+                continue
+            chain = chains.setdefault(record["run"], RunChain(path, record["run"]))
+            problem = _extend(chain, record, line if line.endswith("\n") else line + "\n", number)
+            chain.problem = chain.problem or problem
+    return chains
+
+
+def _parse(line: str, path: str, number: int) -> dict[str, Any] | None:
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+        if not isinstance(record, dict) or any(k not in record for k in _STEP_FIELDS):
+            raise ValueError
+        int(record["step"]), int(record["steps"]), float(record["noise_multiplier"]), float(record["sample_rate"])
+    except (ValueError, TypeError):
+        logger.warning("hf_dp: skipping unreadable line %d of the privacy ledger %s.", number, path)
+        return None
+    return record
+
+
+def _extend(chain: RunChain, record: dict[str, Any], line: str, number: int) -> str | None:
+    """Append ``record`` to ``chain`` if it continues it; else return why not (the record is skipped)."""
+    base = record.get("base_steps")
+    if base is not None and int(base) >= chain.steps and (not chain.records or record.get("prev") != chain.head):
+        # a ledger begun (again) at a resumed checkpoint beyond the steps it held: the chain starts there
+        chain.records, chain.lines = [], []
+        chain.base_steps, chain.base_head = int(base), str(record.get("prev", ""))
+    if record.get("format", 1) >= 2:
+        if record.get("hash") != record_hash(record):
+            return f"line {number} of {chain.path} was edited (its hash does not match its content)"
+        if record.get("prev") != chain.head:
+            return (
+                f"line {number} of {chain.path} does not follow the run's previous line (a line before it was removed, "
+                "or the ledger was put together from several files)"
+            )
+    if int(record["step"]) != chain.steps:
+        return f"line {number} of {chain.path} records step {record['step']}, where step {chain.steps} was next"
+    chain.records.append(record)
+    chain.lines.append(line)
     return None
 
 
-# ---------------------------------------------------------------------------------------------------- the ledger
-def history_steps(history: Iterable[Iterable[float]]) -> int:
-    """Noisy steps of a ``[sigma, q, steps]`` history."""
-    return sum(int(segment[2]) for segment in history)
+def _segments(steps: Iterable[tuple[float, float, int]]) -> list[list[float]]:
+    history: list[list[float]] = []
+    for sigma, q, n in steps:
+        if history and (history[-1][0], history[-1][1]) == (sigma, q):
+            history[-1][2] += n
+        else:
+            history.append([sigma, q, n])
+    return history
+
+
+def ledger_history(paths: Iterable[str], run_id: str) -> list[list[float]]:
+    """The ``[sigma, q, steps]`` history of run ``run_id``: the longest unbroken chain of it among the ledgers at
+    ``paths`` (missing files skipped)."""
+    chains = [read_ledger(p).get(run_id) for p in dict.fromkeys(os.path.abspath(p) for p in paths)]
+    longest = max((c for c in chains if c is not None), key=lambda c: c.steps, default=None)
+    return longest.history() if longest is not None else []
 
 
 class PrivacyLedger:
-    """Appends the noisy steps of one run to ``<output_dir>/dp_ledger.jsonl``.
+    """Appends the noisy steps of one run to ``<output_dir>/dp_ledger.jsonl``, as a hash chain.
 
-    :meth:`record` buffers a step, :meth:`flush` appends the buffered steps (one line per run of equal
-    ``(sigma, q)``). :class:`~hf_dp.DPCallback` flushes every step as it records it, i.e. where the noise is added,
-    before the optimizer applies it: so no model that is saved, logged, evaluated or pushed (which all happen after
-    the optimizer step) can come from a step the ledger lacks, and a crash at any point loses at most steps that no
-    model outside the process depends on (a step recorded but never applied is counted: that errs on the safe side).
-    A checkpoint written later carries the same steps in its own history. The cost is one small append per optimizer
-    step; the file is opened, appended and closed each time (exception-safe, no handle kept), and ``fsync``-ed at
-    saves and at the end of training.
+    :meth:`record` buffers a step, :meth:`flush` appends the buffered steps (one line per run of equal settings).
+    :class:`~hf_dp.DPCallback` flushes every step as it records it, i.e. where the noise is added, before the optimizer
+    applies it: so no model that is saved, logged, evaluated or pushed (which all happen after the optimizer step) can
+    come from a step the ledger lacks, and a crash at any point loses at most steps that no model outside the process
+    depends on (a step recorded but never applied is counted: that errs on the safe side). The cost is one small append
+    per optimizer step (the file is opened, appended and closed each time), ``fsync``-ed at saves and at the end of
+    training; the run's lines are also kept in memory (about 300 bytes a line), for the copy each checkpoint carries.
+
+    Args:
+        output_dir (`str`): the folder of the ledger file.
+        run_id (`str`): the run.
+        data (`Mapping`): the training set's fingerprint (``num_examples``, ``rows`` or ``datasets``).
+        settings (`Mapping`, *optional*): the values of :data:`SETTINGS_FIELDS` every record states (C: the default of
+            steps recorded without their own).
+        chain (`RunChain`, *optional*): the run's verified records so far (a resume, or an earlier ``train()`` call):
+            new records continue its chain.
+        base (`tuple[int, str]`, *optional*): without a chain, where the run's chain stands: its steps and last hash
+            (a checkpoint's ``ledger_head`` whose ledger lines were lost); the first new record names it.
     """
 
-    def __init__(self, output_dir: str, run_id: str, data: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        output_dir: str,
+        run_id: str,
+        data: Mapping[str, Any],
+        settings: Mapping[str, Any] | None = None,
+        chain: RunChain | None = None,
+        base: tuple[int, str] | None = None,
+    ) -> None:
         self.path = os.path.join(output_dir, LEDGER_NAME)
         self.run_id = run_id
         self.num_examples = data.get("num_examples")
         self.data = data.get("rows") or data.get("datasets")
-        self._pending: list[list[float]] = []  # [first step, steps, sigma, q]
+        self.settings = {name: (settings or {}).get(name) for name in SETTINGS_FIELDS}
+        self.head = chain.head if chain is not None else (base[1] if base else "")
+        self.lines: list[str] = list(chain.lines) if chain is not None else []
+        self._base = None if chain is not None or not base or base[0] == 0 else int(base[0])
+        self._pending: list[list[Any]] = []  # [first step, steps, sigma, q, C]
+        self._tail_checked = False
 
     def __repr__(self) -> str:
         return f"PrivacyLedger({self.path!r}, run={self.run_id!r}, pending={sum(int(p[1]) for p in self._pending)})"
 
-    def record(self, step: int, noise_multiplier: float, sample_rate: float) -> None:
-        """Noisy step ``step`` (0-based, in the run) with this sigma and q."""
+    def record(
+        self, step: int, noise_multiplier: float, sample_rate: float, max_grad_norm: float | None = None
+    ) -> None:
+        """Noisy step ``step`` (0-based, in the run) with this sigma, q and C (default: the ledger's settings')."""
+        clip = float(max_grad_norm) if max_grad_norm is not None else self.settings["max_grad_norm"]
+        key = (float(noise_multiplier), float(sample_rate), clip)
         last = self._pending[-1] if self._pending else None
-        if last is not None and last[0] + last[1] == step and (last[2], last[3]) == (noise_multiplier, sample_rate):
+        if last is not None and last[0] + last[1] == step and tuple(last[2:]) == key:
             last[1] += 1
         else:
-            self._pending.append([int(step), 1, float(noise_multiplier), float(sample_rate)])
+            self._pending.append([int(step), 1, *key])
 
     def flush(self, *, sync: bool = False) -> None:
         """Append the buffered steps (and ``fsync`` the file when ``sync``)."""
@@ -233,219 +278,59 @@ class PrivacyLedger:
                 with open(self.path, "a", encoding="utf-8") as f:
                     os.fsync(f.fileno())
             return
-        lines = "".join(
-            json.dumps(
-                {
-                    "format": _FORMAT,
-                    "run": self.run_id,
-                    "step": int(first),
-                    "steps": int(steps),
-                    "noise_multiplier": sigma,
-                    "sample_rate": q,
-                    "num_examples": self.num_examples,
-                    "data": self.data,
-                },
-                sort_keys=True,
-            )
-            + "\n"
-            for first, steps, sigma, q in self._pending
-        )
+        lines = [self._line(*pending) for pending in self._pending]
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(lines)
+        text = self._torn_tail_separator() + "".join(lines)
+        with open(self.path, "ab") as f:
+            f.write(text.encode("utf-8"))
             f.flush()
             if sync:
                 os.fsync(f.fileno())
+        self.lines.extend(lines)
         self._pending.clear()
 
+    def _torn_tail_separator(self) -> str:
+        """A newline to write first when the file ends in a torn line (a crash during a write), which must not swallow
+        the next record (checked at the first write of this ledger object only: its own writes end with a newline)."""
+        if self._tail_checked:
+            return ""
+        self._tail_checked = True
+        if not os.path.isfile(self.path) or os.path.getsize(self.path) == 0:
+            return ""
+        with open(self.path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return "" if f.read(1) == b"\n" else "\n"
 
-def ledger_history(paths: Iterable[str], run_id: str) -> list[list[float]]:
-    """The ``[sigma, q, steps]`` history of run ``run_id`` recorded in the ledgers at ``paths`` (missing files
-    skipped; a torn last line, left by a crash during a write, skipped with a warning). Each step index counts once."""
-    steps: dict[int, tuple[float, float]] = {}
-    for path in dict.fromkeys(os.path.abspath(p) for p in paths):
-        if not os.path.isfile(path):
-            continue
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    entry = json.loads(line)
-                    if entry.get("run") != run_id:
-                        continue
-                    first, count = int(entry["step"]), int(entry["steps"])
-                    sigma, q = float(entry["noise_multiplier"]), float(entry["sample_rate"])
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    logger.warning("hf_dp: skipping unreadable line %d of the privacy ledger %s.", number, path)
-                    continue
-                for index in range(first, first + count):
-                    steps[index] = (sigma, q)
-    history: list[list[float]] = []
-    for index in sorted(steps):
-        sigma, q = steps[index]
-        if history and (history[-1][0], history[-1][1]) == (sigma, q):
-            history[-1][2] += 1
-        else:
-            history.append([sigma, q, 1])
-    return history
+    def _line(self, first: int, steps: int, sigma: float, q: float, clip: float | None) -> str:
+        record = {
+            "format": _FORMAT,
+            "run": self.run_id,
+            "step": int(first),
+            "steps": int(steps),
+            "noise_multiplier": sigma,
+            "sample_rate": q,
+            **self.settings,
+            "max_grad_norm": clip,
+            "num_examples": self.num_examples,
+            "data": self.data,
+            "prev": self.head,
+        }
+        if self._base is not None:  # the first line of a ledger begun at a checkpoint
+            record["base_steps"], self._base = self._base, None
+        record["hash"] = self.head = record_hash(record)
+        return json.dumps(record, sort_keys=True) + "\n"
 
-
-# ---------------------------------------------------------------------------------------------------- checkpoints
-class CheckpointDPStateError(ValueError):
-    """A checkpoint whose DP state cannot be trusted (missing, unreadable, edited, or from another training set)."""
-
-
-def _checkpoint_step(path: str) -> int | None:
-    match = _CHECKPOINT_RE.match(os.path.basename(os.path.normpath(path)))
-    return int(match.group(1)) if match else None
-
-
-def read_checkpoint_dp_state(checkpoint: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(trainer_state, DPCallback attributes)`` of ``checkpoint``, checked for what a resume relies on.
-
-    Raises:
-        CheckpointDPStateError: the folder or its ``trainer_state.json`` is missing or not valid JSON, it has no
-            DPCallback state, or that state is incomplete or edited (a history that is not ``[sigma, q, steps]``
-            segments, or accounts fewer noisy steps than the checkpoint's ``global_step`` took).
-    """
-    trainer_state = _load_trainer_state(checkpoint)
-    attributes = _dp_callback_attributes(checkpoint, trainer_state)
-    _check_history_covers_steps(checkpoint, attributes["history"], trainer_state.get("global_step", 0))
-    return trainer_state, attributes
-
-
-def _load_trainer_state(checkpoint: str) -> dict[str, Any]:
-    """The JSON object of the checkpoint's ``trainer_state.json``, refused if the folder or the file is missing or
-    damaged."""
-    if not os.path.isdir(checkpoint):
-        raise CheckpointDPStateError(f"Checkpoint {checkpoint} does not exist (or is not a folder).")
-    path = os.path.join(checkpoint, TRAINER_STATE_NAME)
-    if not os.path.isfile(path):
-        raise CheckpointDPStateError(
-            f"Checkpoint {checkpoint} has no {TRAINER_STATE_NAME} ({path}): it is incomplete (interrupted while "
-            "saving, or files were removed): neither the training state nor the privacy spent can be restored from it."
-        )
-    try:
-        with open(path, encoding="utf-8") as f:
-            trainer_state = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointDPStateError(
-            f"{path} is not valid JSON ({error}): checkpoint {checkpoint} is damaged (interrupted while saving, or "
-            "edited)."
-        ) from None
-    if not isinstance(trainer_state, dict):
-        raise CheckpointDPStateError(f"{path} does not hold a trainer state (a JSON object): checkpoint is damaged.")
-    return trainer_state
-
-
-def _dp_callback_attributes(checkpoint: str, trainer_state: dict[str, Any]) -> dict[str, Any]:
-    """The attributes of the DPCallback state saved in ``trainer_state``, refused if absent or incomplete."""
-    callbacks = trainer_state.get("stateful_callbacks")
-    state = callbacks.get("DPCallback") if isinstance(callbacks, dict) else None
-    if isinstance(state, list):
-        state = state[0] if state else None
-    if state is None:
-        raise CheckpointDPStateError(
-            f"Checkpoint {checkpoint} has no DPCallback state, so the privacy already spent is unknown. Resume only "
-            "from checkpoints written by a DP trainer."
-        )
-    attributes = state.get("attributes") if isinstance(state, dict) else None
-    if not isinstance(attributes, dict):
-        raise CheckpointDPStateError(f"The DPCallback state of checkpoint {checkpoint} has no attributes (edited?).")
-    missing = [k for k in ("history", "num_examples", "run_id", "data_fingerprint") if attributes.get(k) is None]
-    if missing:
-        raise CheckpointDPStateError(
-            f"The DPCallback state of checkpoint {checkpoint} lacks {', '.join(missing)} (edited, or written by an "
-            "older hf_dp): the privacy spent, or the run and the data it belongs to, cannot be checked."
-        )
-    return attributes
-
-
-def _check_history_covers_steps(checkpoint: str, history: Any, global_step: Any) -> None:
-    """The DP history is a list of ``[sigma, q, steps]`` segments accounting at least the ``global_step`` optimizer
-    steps the checkpoint took (each of them noisy)."""
-    if not isinstance(history, list) or not all(_is_segment(s) for s in history):
-        raise CheckpointDPStateError(
-            f"The DP history of checkpoint {checkpoint} is not a list of [noise_multiplier, sample_rate, steps] "
-            f"segments (got {history!r:.200}): edited or damaged."
-        )
-    if not isinstance(global_step, int) or global_step < 0:
-        raise CheckpointDPStateError(f"Checkpoint {checkpoint} has an invalid global_step {global_step!r}.")
-    spent = history_steps(history)
-    if spent < global_step:
-        raise CheckpointDPStateError(
-            f"The DP history of checkpoint {checkpoint} accounts {spent} noisy steps, but the checkpoint was saved "
-            f"after {global_step} optimizer steps (its global_step), each of them noisy: the history was edited or "
-            "truncated, and resuming from it would under-report epsilon."
-        )
-
-
-def _is_segment(segment: Any) -> bool:
-    if not isinstance(segment, list | tuple) or len(segment) != 3:
-        return False
-    sigma, q, steps = segment
-    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in segment)
-    return numbers and sigma >= 0 and math.isfinite(sigma) and 0 < q <= 1 and int(steps) == steps and steps >= 0
-
-
-def _other_checkpoints(checkpoint: str) -> list[str]:
-    """The other ``checkpoint-*`` folders next to ``checkpoint``, latest first."""
-    parent = os.path.dirname(os.path.normpath(checkpoint)) or "."
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return []
-    found = [
-        (step, os.path.join(parent, name))
-        for name in names
-        if (step := _checkpoint_step(name)) is not None and os.path.isdir(os.path.join(parent, name))
-    ]
-    this = os.path.abspath(checkpoint)
-    return [path for _, path in sorted(found, reverse=True) if os.path.abspath(path) != this]
-
-
-class TrainingSetMismatchError(CheckpointDPStateError):
-    """A checkpoint trained on another training set than this run's (its N or its fingerprint differ)."""
-
-
-def check_checkpoint_dp_state(checkpoint: str, fingerprint: Mapping[str, Any]) -> tuple[dict, dict]:
-    """:func:`read_checkpoint_dp_state` plus the training-set check against ``fingerprint`` (this run's data); the
-    error names the checkpoint to resume from instead (the latest sibling that passes every check), if any."""
-    try:
-        trainer_state, attributes = read_checkpoint_dp_state(checkpoint)
-        # the fingerprint counts rows; the callback's N counts privacy units (users with privacy_unit="user")
-        saved = {"num_examples": attributes["num_examples"], **attributes["data_fingerprint"]}
-        mismatch = fingerprint_mismatch(saved, fingerprint)
-        if mismatch is not None:
-            raise TrainingSetMismatchError(
-                f"hf_dp: cannot resume: checkpoint {checkpoint} was trained on {mismatch}. Resuming on a different "
-                "training set is a different mechanism from the one accounted so far. Resume with the same "
-                "`train_dataset`, or start a new run in a new `output_dir`."
-            )
-    except TrainingSetMismatchError:
-        raise  # every checkpoint of this run is from that training set: no other one to name
-    except CheckpointDPStateError as error:
-        raise CheckpointDPStateError(
-            f"hf_dp: cannot resume: {error}{_alternative_hint(checkpoint, fingerprint)}"
-        ) from None
-    return trainer_state, attributes
-
-
-def _alternative_hint(checkpoint: str, fingerprint: Mapping[str, Any]) -> str:
-    """Which checkpoint to resume from instead of a rejected one: the latest sibling that passes every check."""
-    for other in _other_checkpoints(checkpoint):
-        try:
-            _, attributes = read_checkpoint_dp_state(other)
-        except CheckpointDPStateError:
-            continue
-        if fingerprint_mismatch(
-            {**attributes["data_fingerprint"], "num_examples": attributes["num_examples"]}, fingerprint
-        ):
-            continue
-        return f" Resume from {other} instead (`resume_from_checkpoint={other!r}`)."
-    parent = os.path.dirname(os.path.normpath(checkpoint)) or "."
-    return (
-        f" No other checkpoint in {parent} has a valid DP state for this training set: start a new run (without "
-        "`resume_from_checkpoint`, in a new `output_dir`)."
-    )
+    def write_copy(self, folder: str) -> None:
+        """Write the run's lines so far into ``folder/dp_ledger.jsonl`` (a checkpoint's copy: it carries the run's
+        history wherever the checkpoint goes); written to a temporary file, ``fsync``-ed, then renamed."""
+        self.flush(sync=True)
+        path = os.path.join(folder, LEDGER_NAME)
+        if os.path.abspath(path) == os.path.abspath(self.path):
+            return
+        os.makedirs(folder, exist_ok=True)
+        temporary = path + ".tmp"
+        with open(temporary, "w", encoding="utf-8") as f:
+            f.write("".join(self.lines))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)

@@ -67,7 +67,11 @@ def check_train_dataset(train_dataset) -> int:
             "example with probability q = L/N. Convert the iterable dataset to a map-style one."
         )
     if len(train_dataset) == 0:
-        raise ValueError("`train_dataset` is empty.")
+        raise ValueError(
+            "`train_dataset` is empty (0 examples): there is nothing to train on, and no sample rate q = L/N. Check "
+            "the data loading and filtering (e.g. a `max_length` filter or a split that removed every row), and pass "
+            "the non-empty training set as `train_dataset`."
+        )
     return len(train_dataset)
 
 

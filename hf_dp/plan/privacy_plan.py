@@ -18,6 +18,7 @@ from typing import Any
 
 from ..accounting import noise_multiplier as calibrate_noise_multiplier
 from ..accounting.methods import segments_epsilon
+from ..argument_checks import check_finite
 from ..arguments import DPArgumentsMixin
 from ..step.adaptive_clipping import QuantileClipping, default_count_noise_multiplier, gradient_noise_multiplier
 
@@ -248,6 +249,7 @@ def _noise_multiplier(
     """
     sample_rate, delta, num_steps = draft["sample_rate"], draft["delta"], draft["num_steps"]
     if args.noise_multiplier is not None:
+        check_finite("noise_multiplier", args.noise_multiplier, "a noise multiplier (e.g. 1.0)", zero=True)
         sigma = float(args.noise_multiplier)
     elif saved and _same_schedule(saved, draft):
         sigma = float(saved["noise_multiplier"])
@@ -269,7 +271,9 @@ def _noise_multiplier(
 
 
 def _mechanism_settings(args) -> dict[str, Any]:
-    """The plan's clipping, sampling, noise-source, loss-scale and logged-accountant fields, as in the arguments."""
+    """The plan's clipping, sampling, noise-source, loss-scale and logged-accountant fields, as in the arguments
+    (checked again: the arguments may have been edited after they were built)."""
+    check_finite("per_sample_max_grad_norm", args.per_sample_max_grad_norm, "a clipping norm (e.g. 1.0)")
     return {
         "max_grad_norm": float(args.per_sample_max_grad_norm),
         "clipping_mode": args.clipping_mode,

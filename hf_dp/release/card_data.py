@@ -98,6 +98,11 @@ class DPModelCardData:
             Quantile-adaptive clipping: `target_quantile`, `learning_rate`, `count_noise_multiplier`,
             `gradient_noise_multiplier` and `clip_norms` (the C of every step taken). `max_grad_norm` is then the
             starting C.
+        earlier_steps (`int`, *optional*, defaults to 0):
+            Noisy steps of earlier runs in the same output folder that `segments` include (counted as spent).
+        not_covered (`list[str]`, *optional*, defaults to `[]`):
+            What the stated epsilon does not cover, one clause each (noisy steps whose record was lost, earlier runs
+            left out): shown as a warning.
 
     Example:
         ```python
@@ -136,6 +141,8 @@ class DPModelCardData:
     max_examples_per_user: int | None = None
     num_rows: int | None = None
     adaptive_clipping: dict[str, Any] | None = None
+    earlier_steps: int = 0
+    not_covered: list[str] = field(default_factory=list)
 
 
 def privacy_segments(data: DPModelCardData) -> list[tuple[float, float, int]]:
@@ -166,10 +173,10 @@ def privacy_segments(data: DPModelCardData) -> list[tuple[float, float, int]]:
     if not segments:
         raise ValueError("`segments` is empty: give at least one (noise_multiplier, sample_rate, steps) segment.")
     for sigma, q, steps in segments:
-        if not (sigma >= 0 and 0 <= q <= 1 and steps >= 0):
+        if not (math.isfinite(sigma) and sigma >= 0 and 0 <= q <= 1 and steps >= 0):
             raise ValueError(
-                f"Invalid segment (noise_multiplier={sigma}, sample_rate={q}, steps={steps}): need noise_multiplier "
-                ">= 0, 0 <= sample_rate <= 1 and steps >= 0."
+                f"Invalid segment (noise_multiplier={sigma}, sample_rate={q}, steps={steps}): need a finite "
+                "noise_multiplier >= 0, 0 <= sample_rate <= 1 and steps >= 0."
             )
     return segments
 
@@ -218,6 +225,11 @@ def _check_epsilons_and_delta(data: DPModelCardData, segments: list[tuple[float,
             raise ValueError(f"Epsilon under {name!r} is {eps}: it must be >= 0 (or inf).")
     if not 0 < data.delta < 1:
         raise ValueError(f"`delta` must be in (0, 1), got {data.delta}.")
+    if not (math.isfinite(data.max_grad_norm) and data.max_grad_norm > 0):
+        raise ValueError(
+            f"`max_grad_norm` is {data.max_grad_norm}: without a finite clipping norm > 0 no example's contribution is "
+            "bounded and no guarantee holds, so no card can state one."
+        )
     noiseless = [s for s in segments if s[0] == 0 and s[2] > 0]
     if noiseless and math.isfinite(data.epsilons[data.accountant]):
         raise ValueError(
@@ -229,7 +241,7 @@ def _check_epsilons_and_delta(data: DPModelCardData, segments: list[tuple[float,
 
 def _check_release_fields(data: DPModelCardData) -> None:
     """The lists of names are lists, the plot is a file name relative to the card, and the audit has its keys."""
-    for name in ("published_training_metrics", "eval_overlap", "eval_selection"):
+    for name in ("published_training_metrics", "eval_overlap", "eval_selection", "not_covered"):
         if isinstance(getattr(data, name), str):
             raise TypeError(f"`{name}` must be a list of strings, got str.")
     if data.epsilon_plot is not None and (os.path.isabs(data.epsilon_plot) or "://" in data.epsilon_plot):

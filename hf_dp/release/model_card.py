@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import re
-import textwrap
 import warnings
 from collections.abc import Sequence
 from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
@@ -25,6 +24,16 @@ from typing import Any
 from ..version import __version__
 from .card_data import ACCOUNTANT_LABELS, DPModelCardData, check_card_data, privacy_segments
 from .card_data import AUDIT_KEYS as AUDIT_KEYS  # re-exported: defined here before card_data.py
+from .card_notes import (
+    DROP,
+    coverage_note,
+    eval_note,
+    guarantee_note,
+    no_guarantee,
+    published_note,
+    sampling_note,
+    wrap,
+)
 from .epsilon_plot import plot_epsilon_curve
 
 logger = logging.getLogger(__name__)
@@ -50,7 +59,6 @@ NO_GUARANTEE_TAGS = ["hf-dp", "no-dp-guarantee"]
 TEMPLATE_NAME = "dp_model_card.md"
 SECTION_HEADING = "## Differential privacy"
 
-_DROP = "\x00drop-line\x00"  # an optional block left empty: its template line is removed
 
 # The names of the two card-data checks in this module before card_data.py; still importable from here.
 _segments, _check = privacy_segments, check_card_data
@@ -81,7 +89,7 @@ def _adaptive_rows(data: DPModelCardData) -> str:
     """Rows of quantile-adaptive clipping: its settings, the noise split and the trajectory of C."""
     a = data.adaptive_clipping
     if not a:
-        return _DROP
+        return DROP
     norms = [float(c) for c in a.get("clip_norms", [])]
     if norms:
         path = (
@@ -148,11 +156,6 @@ def format_bound(x: float, *, digits: int = 4, upper: bool = True) -> str:
     return f"{rounded:.{digits}g}"
 
 
-def _wrap(text: str, prefix: str = "") -> str:
-    """A paragraph wrapped at 120 characters like the template, each line starting with ``prefix`` (e.g. ``"> "``)."""
-    return textwrap.fill(text, width=120, initial_indent=prefix, subsequent_indent=prefix, break_on_hyphens=False)
-
-
 def _fmt(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:.4g}"
 
@@ -184,21 +187,6 @@ def _noise_rows(segments: list[tuple[float, float, int]]) -> str:
     return "\n".join(rows)
 
 
-def _no_guarantee(data: DPModelCardData, segments: list[tuple[float, float, int]]) -> str | None:
-    """The clause "no differential-privacy guarantee (...)" when the headline epsilon is infinite, else `None`."""
-    if not math.isinf(data.epsilons[data.accountant]):
-        return None
-    steps = sum(s[2] for s in segments)
-    noiseless = sum(s[2] for s in segments if s[0] == 0)
-    if noiseless and noiseless == steps:
-        why = "noise multiplier 0"
-    elif noiseless:
-        why = f"noise multiplier 0 for {noiseless} of the {steps} steps"
-    else:
-        why = f"under the {ACCOUNTANT_LABELS[data.accountant][0]} accountant"
-    return f"no differential-privacy guarantee ({why}, epsilon = inf)"
-
-
 def has_guarantee(data: DPModelCardData) -> bool:
     """Whether the card states a finite epsilon under its headline accountant (what the `differential-privacy` tag
     claims)."""
@@ -211,47 +199,10 @@ def card_tags(headline_epsilon: float) -> list[str]:
     return list(NO_GUARANTEE_TAGS if math.isinf(headline_epsilon) else DP_TAGS)
 
 
-def _guarantee_note(data: DPModelCardData, segments: list[tuple[float, float, int]]) -> str:
-    none = _no_guarantee(data, segments)
-    if none is None:
-        return _DROP
-    return "> [!WARNING]\n" + _wrap(
-        f"This model has {none}: its gradients were not privatised, so nothing on this card protects the training "
-        "examples. The settings below are reported for the record; they are no privacy guarantee.",
-        "> ",
-    )
-
-
-def _eval_note(data: DPModelCardData) -> str:
-    if data.eval_overlap:
-        what = "; ".join(data.eval_overlap)
-        text = (
-            f"The evaluation data overlaps the training set: {what}. Evaluation metrics reported on this card or in "
-            "the repository were computed, without noise, on training data and are NOT covered by the guarantee; they "
-            "can reveal information about individual training examples."
-        )
-        if data.eval_selection:
-            text += (
-                f" {', '.join(data.eval_selection)} used these metrics, so the choice of the released model depends on "
-                "those training rows and is NOT covered by the guarantee either."
-            )
-        return "> [!WARNING]\n" + _wrap(text, "> ")
-    if data.eval_checked:
-        where = (
-            "evaluation data (the trainer's `eval_dataset`, compared with the training set by hf_dp: no overlap found)"
-        )
-    else:
-        where = "the data given for evaluation, which hf_dp did not compare with the training set"
-    return _wrap(
-        f"Evaluation metrics reported on this card or in the repository are computed on {where} and are not covered "
-        "by the guarantee (the guarantee covers the training set only)."
-    )
-
-
 def _guarantee(data: DPModelCardData, segments: list[tuple[float, float, int]]) -> str:
     label = ACCOUNTANT_LABELS[data.accountant][0]
     eps = data.epsilons[data.accountant]
-    none = _no_guarantee(data, segments)
+    none = no_guarantee(data, segments)
     if none is not None:
         return f"none: {none}"
     claim = f"({format_bound(eps)}, {format_bound(data.delta, digits=3)})-DP"
@@ -262,28 +213,9 @@ def _guarantee(data: DPModelCardData, segments: list[tuple[float, float, int]]) 
     return f"{claim} under the {label} accountant (a proven upper bound)"
 
 
-def _published_note(metrics: list[str], eval_on_training_data: bool = False) -> str:
-    if not metrics:
-        if eval_on_training_data:
-            return _wrap(
-                "Apart from the evaluation metrics (computed on training data: see the warning below), no un-noised "
-                "statistic of the training data (training loss, token counts, FLOs) was written to the released files."
-            )
-        return (
-            "No un-noised statistic of the training data (training loss, token counts, FLOs) was written to the "
-            "released files."
-        )
-    names = ", ".join(f"`{m}`" for m in metrics)
-    return "> [!WARNING]\n" + _wrap(
-        f"These statistics of the training data were published without noise, at the user's request: {names}. They "
-        "are NOT covered by the guarantee above and can reveal information about individual training examples.",
-        "> ",
-    )
-
-
 def _audit_block(audit: dict[str, Any] | None) -> str:
     if audit is None:
-        return _DROP
+        return DROP
     claimed, lower = float(audit["claimed_epsilon"]), float(audit["epsilon_lower_bound"])
     confidence = f"{(1 - float(audit['significance'])) * 100:.4g}%"
     rows = [
@@ -301,7 +233,7 @@ def _audit_block(audit: dict[str, Any] | None) -> str:
         rows.append(f"| Exposure | {_fmt(float(audit['exposure']))} |")
     rows += [
         "",
-        _wrap(
+        wrap(
             "An empirical lower bound is what an attack on inserted canaries could demonstrate: one above the claimed "
             "epsilon exposes a broken implementation or accounting, but one below it does not prove the claimed upper "
             "bound."
@@ -312,7 +244,7 @@ def _audit_block(audit: dict[str, Any] | None) -> str:
         rows += [
             "",
             "> [!WARNING]\n"
-            + _wrap(
+            + wrap(
                 "The empirical lower bound exceeds the claimed epsilon: the implementation or the accounting may be "
                 "broken (or this is the chance failure at the stated significance). Do not rely on the guarantee "
                 "until this is understood.",
@@ -346,21 +278,22 @@ def render_dp_section(data: DPModelCardData) -> str:
     segments = privacy_segments(data)
     check_card_data(data, segments)
     text = Template(template_text()).substitute(_template_fields(data, segments))
-    text = "\n".join(line for line in text.splitlines() if line != _DROP)
+    text = "\n".join(line for line in text.splitlines() if line != DROP)
     return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
 
 def _template_fields(data: DPModelCardData, segments: list[tuple[float, float, int]]) -> dict[str, Any]:
-    """The value of every placeholder of the template (an optional block left empty is :data:`_DROP`)."""
+    """The value of every placeholder of the template (an optional block left empty is :data:`DROP`)."""
     return {
         "batch_row": _batch_row(data, segments),
         "sampling": _sampling_scheme(data),
-        "sampling_note": _sampling_note(data),
+        "sampling_note": sampling_note(data),
         "noise_source": _noise_source(data),
         "epsilon_plot": _epsilon_plot(data),
         "hf_dp_version": __version__,
         "guarantee": _guarantee(data, segments),
-        "guarantee_note": _guarantee_note(data, segments),
+        "guarantee_note": guarantee_note(data, segments),
+        "coverage_note": coverage_note(data, segments),
         "epsilon_rows": _epsilon_rows(data),
         "delta": format_bound(data.delta, digits=3),
         "noise_rows": _noise_rows(segments),
@@ -369,10 +302,10 @@ def _template_fields(data: DPModelCardData, segments: list[tuple[float, float, i
         "adaptive_rows": _adaptive_rows(data),
         **_unit_fields(data),
         "clipping_mode": data.clipping_mode,
-        "clipping_details_row": f"| Clipping details | {data.clipping_details} |" if data.clipping_details else _DROP,
+        "clipping_details_row": f"| Clipping details | {data.clipping_details} |" if data.clipping_details else DROP,
         "optimizer": data.optimizer,
-        "published_note": _published_note(list(data.published_training_metrics), bool(data.eval_overlap)),
-        "eval_note": _eval_note(data),
+        "published_note": published_note(list(data.published_training_metrics), bool(data.eval_overlap)),
+        "eval_note": eval_note(data),
         "audit": _audit_block(data.audit),
     }
 
@@ -392,30 +325,6 @@ def _sampling_scheme(data: DPModelCardData) -> str:
     return "shuffled fixed-size batches (sampling without replacement)"
 
 
-def _sampling_note(data: DPModelCardData) -> str:
-    """The warnings under the table when the epsilons assume more than the run did: Poisson sampling, secret noise."""
-    notes = []
-    if not data.poisson_sampling:
-        notes.append(
-            "> [!WARNING]\n"
-            + _wrap(
-                "The accountants assume Poisson sampling; with shuffled fixed-size batches the epsilons above are a "
-                "heuristic, not a proven bound.",
-                "> ",
-            )
-        )
-    if data.fixed_noise_seed:
-        notes.append(
-            "> [!WARNING]\n"
-            + _wrap(
-                "This run used a fixed `noise_seed`, a setting for tests: anyone who knows the seed can regenerate "
-                "the noise and subtract it, so the epsilon above is no guarantee for this model.",
-                "> ",
-            )
-        )
-    return "\n".join(notes) if notes else _DROP
-
-
 def _noise_source(data: DPModelCardData) -> str:
     if data.fixed_noise_seed:
         return "a fixed `noise_seed` (testing setting): reproducible by anyone who knows it"
@@ -426,7 +335,7 @@ def _noise_source(data: DPModelCardData) -> str:
 
 def _epsilon_plot(data: DPModelCardData) -> str:
     if not data.epsilon_plot:
-        return _DROP
+        return DROP
     label = ACCOUNTANT_LABELS[data.accountant][0]
     return f"![Epsilon spent against the optimizer step ({label} accountant)]({data.epsilon_plot})"
 
@@ -440,7 +349,7 @@ def _replace_section(text: str, section: str) -> str:
         if line.strip() == SECTION_HEADING:
             inside = True
             if not placed:
-                out.append(_DROP)
+                out.append(DROP)
                 placed = True
             continue
         if inside and line.startswith("## "):
@@ -450,7 +359,7 @@ def _replace_section(text: str, section: str) -> str:
     body = "\n".join(out)
     block = section.strip()
     if placed:
-        body = body.replace(_DROP, block + "\n")
+        body = body.replace(DROP, block + "\n")
     else:
         body = body.rstrip() + "\n\n" + block + "\n"
     return re.sub(r"\n{3,}", "\n\n", body).rstrip() + "\n"

@@ -77,7 +77,7 @@ def card_data(trainer: Any, epsilon_plot: str | None = None) -> DPModelCardData:
         epsilons={name: callback.epsilon(name) for name in names},
         accountant=plan.accountant,
         delta=plan.delta,
-        segments=[tuple(s) for s in callback.history] or [(plan.noise_multiplier, plan.sample_rate, 0)],
+        segments=[tuple(s) for s in callback.spent_history] or [(plan.noise_multiplier, plan.sample_rate, 0)],
         expected_batch_size=plan.expected_batch_size,
         num_examples=plan.num_examples,
         max_grad_norm=plan.max_grad_norm,
@@ -94,6 +94,8 @@ def card_data(trainer: Any, epsilon_plot: str | None = None) -> DPModelCardData:
         max_examples_per_user=plan.max_examples_per_user,
         num_rows=plan.num_rows,
         adaptive_clipping=_adaptive_fields(plan, callback.clip_norms),
+        earlier_steps=callback.carried_steps,
+        not_covered=list(callback.not_covered),
         **eval_card_fields(trainer),
     )
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from .data_checks import empty_sequences
+
 __all__ = [
     "NUM_EXAMPLES_KEY",
     "PACKING_KEYS",
@@ -107,6 +109,12 @@ class MicroBatchChecks:
         if not isinstance(inputs, Mapping):
             return None
         sampled = inputs.pop(NUM_EXAMPLES_KEY, None) if isinstance(inputs, MutableMapping) else None
+        empty = empty_sequences(inputs)
+        if empty is not None:
+            raise ValueError(
+                f"The micro-batch from {self.collator} has {empty}: its sequences have length 0, so there is nothing "
+                "to train on. Check the tokenization (the text column, `max_length`, truncation or filtering)."
+            )
         packed = [key for key in PACKING_KEYS if key in inputs]
         if packed:
             raise ValueError(

@@ -62,8 +62,8 @@ class PrivacyRecord(Protocol):
     def steps(self) -> int:
         """Noisy steps recorded so far (the noise of the next step is drawn for this index)."""
 
-    def record_step(self, *, noise_multiplier: float, sample_rate: float) -> None:
-        """Record one noisy step (before the optimizer applies it)."""
+    def record_step(self, *, noise_multiplier: float, sample_rate: float, max_grad_norm: float) -> None:
+        """Record one noisy step with its sigma, q and C (before the optimizer applies it)."""
 
     def record_clip_norm(self, used: float, next_clip_norm: float) -> None:
         """Adaptive clipping: the C the step used and the C of the next step."""
@@ -168,7 +168,11 @@ class DPStep:
         self.backend.reduce([p.grad for p in parameters], dropped, count)
         if dropped is not None:
             self.loss_scaling.update(dropped)
-        self.record.record_step(noise_multiplier=self.settings.noise_multiplier, sample_rate=self.settings.sample_rate)
+        self.record.record_step(
+            noise_multiplier=self.settings.noise_multiplier,
+            sample_rate=self.settings.sample_rate,
+            max_grad_norm=self.clip_norm,
+        )
         if count is not None:  # C of the next step, from this step's noisy count (post-processing)
             used = self.adaptive.clip_norm
             self.record.record_clip_norm(used, self.adaptive.update(count))

@@ -403,11 +403,12 @@ class DPTrainerMixin(SamplingHooks, PrivacyRecordHooks, ReleaseHooks):
         sampling."""
         check_train_dataset(self.train_dataset)
         check_train_start(self)  # optimizers stepping inside the backward, grad hooks, dispatcher, packing collator
+        self._check_training_data()  # sequences of length 0, no target to learn
         self._batch_checks = MicroBatchChecks(self.data_collator)
         check_eval_selection(self)  # no checkpoint selection, early stopping or plateau schedule on the training data
         steps_done = self._start_privacy_record(resume_from_checkpoint)
         callback = self.dp_callback
-        self._dp_plan = self._resolve_plan(past=callback.history, saved=callback.plan, steps_done=steps_done)
+        self._dp_plan = self._resolve_plan(past=callback.spent_history, saved=callback.plan, steps_done=steps_done)
         self._configure_dp_callback()
         noise, self._sampling_seed = self._secret_streams()
         log_plan(self.dp_plan, steps_taken=callback.steps, fixed_noise_seed=self.args.noise_seed is not None)

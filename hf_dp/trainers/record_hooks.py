@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import torch
 
 from ..ledger.callback import DPCallback
-from ..ledger.ledger import PrivacyLedger, data_fingerprint, fingerprint_key, new_run_id
+from ..ledger.earlier_runs import account_earlier_runs, earlier_runs
+from ..ledger.fingerprint import data_fingerprint, fingerprint_key
+from ..ledger.ledger import LEDGER_NAME, PrivacyLedger, new_run_id, read_ledger
 from ..ledger.resume import checkpoint_to_resume, restore_privacy_spent
 from ..step.distributed import broadcast_from_main
 
@@ -28,8 +31,10 @@ class _CurrentCallback:
     def steps(self) -> int:
         return self._trainer.dp_callback.steps
 
-    def record_step(self, *, noise_multiplier: float, sample_rate: float) -> None:
-        self._trainer.dp_callback.record_step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+    def record_step(self, *, noise_multiplier: float, sample_rate: float, max_grad_norm: float) -> None:
+        self._trainer.dp_callback.record_step(
+            noise_multiplier=noise_multiplier, sample_rate=sample_rate, max_grad_norm=max_grad_norm
+        )
 
     def record_clip_norm(self, used: float, next_clip_norm: float) -> None:
         self._trainer.dp_callback.record_clip_norm(used, next_clip_norm)
@@ -59,7 +64,7 @@ class PrivacyRecordHooks:
         if fingerprint is not None:
             callback.data_fingerprint = fingerprint
             if self.is_world_process_zero():
-                ledger = PrivacyLedger(self.args.output_dir, callback.run_id, fingerprint)
+                ledger = self._open_ledger(callback, fingerprint)
         callback.configure(
             noise_multiplier=plan.noise_multiplier,
             sample_rate=plan.sample_rate,
@@ -71,6 +76,29 @@ class PrivacyRecordHooks:
             ledger=ledger,
         )
         callback.plan = plan.saved()
+
+    def _open_ledger(self, callback: DPCallback, fingerprint) -> PrivacyLedger:
+        """The run's ledger in ``output_dir``, continuing the run's chain there: from its last line, or (its lines
+        lost, or behind the checkpoint resumed) from the run's own count and last hash."""
+        plan, path = self.dp_plan, os.path.join(self.args.output_dir, LEDGER_NAME)
+        settings = {
+            "max_grad_norm": plan.max_grad_norm,
+            "delta": plan.delta,
+            "accountant": plan.accountant,
+            "unit": plan.privacy_unit,
+            "max_examples_per_user": plan.max_examples_per_user,
+        }
+        chain = read_ledger(path).get(callback.run_id)
+        args = (self.args.output_dir, callback.run_id, fingerprint, settings)
+        if chain is None or chain.steps < callback.steps:
+            return PrivacyLedger(*args, base=(callback.steps, callback.ledger_head))
+        if chain.steps > callback.steps or chain.head != callback.ledger_head:
+            raise RuntimeError(
+                f"hf_dp: the privacy ledger {path} records {chain.steps} noisy steps of this run, ending at another "
+                f"line than the {callback.steps} steps the run took: it was edited or replaced since. Restore it (a "
+                "checkpoint's dp_ledger.jsonl holds the run's lines up to it), or resume from a checkpoint."
+            )
+        return PrivacyLedger(*args, chain=chain)
 
     def _load_callback_state(self) -> None:
         """The Trainer's restore of callback states (``restore_callback_states_from_checkpoint``) rebuilds the
@@ -131,6 +159,7 @@ class PrivacyRecordHooks:
         self._data_fingerprint = data_fingerprint(self.train_dataset, key)  # checked on resume, written to the ledger
         if not resume_from_checkpoint:
             callback.draw_offset = callback.steps  # an earlier train() call used draws [0, steps): continue after it
+            self._account_earlier_runs()
             return 0
         steps_done = restore_privacy_spent(
             callback,
@@ -143,4 +172,21 @@ class PrivacyRecordHooks:
         )
         if self.args.ignore_data_skip:  # the epoch restarts from its first batch: continue with fresh draws
             callback.draw_offset = callback.steps
+        self._account_earlier_runs()
         return steps_done
+
+    def _account_earlier_runs(self) -> None:
+        """The noisy steps of the other runs ``output_dir``'s ledger records: counted as spent, or said not covered
+        (``earlier_runs``; :mod:`hf_dp.ledger.earlier_runs`)."""
+        callback = self.dp_callback
+        known = {run["run"] for run in callback.carried}
+        found = earlier_runs(self.args.output_dir, callback.run_id, known) if self.is_world_process_zero() else []
+        chains = broadcast_from_main([found])[0]
+        carried, notes = account_earlier_runs(
+            chains,
+            policy=self.args.earlier_runs,
+            privacy_unit=self.args.privacy_unit,
+            fingerprint=self._data_fingerprint,
+        )
+        callback.carried.extend(carried)
+        callback.not_covered.extend(n for n in notes if n not in callback.not_covered)

@@ -33,6 +33,8 @@ class ReleaseHooks:
         moment, in every folder that receives weights (checkpoints too: they are uploaded under ``hub_strategy``)."""
         super().save_model(output_dir, _internal_call=_internal_call)
         if self.is_world_process_zero():
+            # the run's ledger lines travel with the weights (a checkpoint knows its history wherever it is copied)
+            self.dp_callback.write_ledger_copy(output_dir or self.args.output_dir)
             publisher.write_dp_card(self, output_dir or self.args.output_dir)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:

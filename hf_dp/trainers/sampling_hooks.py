@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 from transformers.trainer_utils import seed_worker
 from transformers.utils import is_datasets_available
 
+from ..sampling.data_checks import check_training_rows, row_targets
 from ..sampling.dataloader import poisson_dataloader, rank_aware
 
 __all__ = ["SamplingHooks"]
@@ -29,20 +30,13 @@ class SamplingHooks:
         seed = self._sampling_seed
         if seed is None:  # outside train(): draws from a throwaway secret seed (never trained on)
             seed = args.seed if args.noise_seed is not None else secrets.randbits(128)
-        dataset, collator = self.train_dataset, self.data_collator
         # the plan's column, read before the user column is removed
         codes = self._user_codes(plan.user_column)[0] if plan.privacy_unit == "user" else None
         lengths = None
         if args.train_sampling_strategy == "group_by_length":
             # Trainer's own LengthGroupedSampler resolves the lengths (length column, or the first model input).
-            lengths = super()._get_train_sampler(dataset).lengths
-        if is_datasets_available():
-            import datasets
-
-            if isinstance(dataset, datasets.Dataset):
-                dataset = self._remove_unused_columns(dataset, description="Training")
-            else:
-                collator = self._get_collator_with_removed_columns(collator, description="Training")
+            lengths = super()._get_train_sampler(self.train_dataset).lengths
+        dataset, collator = self._training_rows()
         dataloader = poisson_dataloader(
             dataset,
             collator,
@@ -60,6 +54,32 @@ class SamplingHooks:
             **self._dataloader_kwargs(),
         )
         return rank_aware(self.accelerator.prepare(dataloader), dataloader.batch_sampler)
+
+    def _training_rows(self) -> tuple[Any, Any]:
+        """The training set and collator as the training DataLoader uses them (the columns the model does not take
+        removed, as the Trainer does)."""
+        dataset, collator = self.train_dataset, self.data_collator
+        if is_datasets_available():
+            import datasets
+
+            if isinstance(dataset, datasets.Dataset):
+                dataset = self._remove_unused_columns(dataset, description="Training")
+            else:
+                collator = self._get_collator_with_removed_columns(collator, description="Training")
+        return dataset, collator
+
+    def _check_training_data(self, max_rows: int = 512) -> None:
+        """Refuse training data with nothing to learn (:mod:`hf_dp.sampling.data_checks`): a sample of the training
+        set's rows (evenly spaced, all of a small set), read as the Trainer reads them, before collation."""
+        dataset = self.train_dataset
+        total = len(dataset)
+        count = min(total, max_rows)
+        indices = sorted({round(i * (total - 1) / max(count - 1, 1)) for i in range(count)})
+        check_training_rows([dataset[i] for i in indices], self._row_target_count, total=total)
+
+    def _row_target_count(self, row) -> int | None:
+        """The tokens a training row (before collation) has to learn from (`None`: not known before collation)."""
+        return row_targets(self.loss_type, row)
 
     def _dataloader_kwargs(self) -> dict[str, Any]:
         args = self.args

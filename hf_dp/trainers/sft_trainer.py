@@ -134,6 +134,19 @@ class DPSFTTrainer(DPTrainerMixin, _SFTTrainerInit):
             )
 
     # ------------------------------------------------------------------ loss
+    def _row_target_count(self, row) -> int | None:
+        """The tokens a prepared row learns from: its labels, or (TRL builds them in the collator) its tokens after
+        the first kept by `completion_mask` (with completion-only loss) and `assistant_masks`."""
+        count = super()._row_target_count(row)
+        if count is not None or not isinstance(row, Mapping) or "input_ids" not in row:
+            return count
+        keep = torch.ones(len(row["input_ids"]), dtype=torch.bool)
+        if getattr(self, "completion_only_loss", False) and "completion_mask" in row:
+            keep &= torch.as_tensor(row["completion_mask"]).bool()
+        if "assistant_masks" in row:
+            keep &= torch.as_tensor(row["assistant_masks"]).bool()
+        return int(keep[1:].sum())
+
     def _model_inputs(self, model, inputs):
         """The batch without labels, and ``use_cache=False`` (as SFTTrainer: no cache while training)."""
         model_inputs = super()._model_inputs(model, inputs)

@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 
 from hf_dp import DPTrainer
 from hf_dp.accounting import epsilon as accounting_epsilon
-from hf_dp.ledger.ledger import (
+from hf_dp.ledger import (
     KEY_NAME,
     LEDGER_NAME,
     CheckpointDPStateError,
@@ -157,6 +157,7 @@ def test_every_noisy_step_is_in_the_ledger_before_anything_of_its_model_is_logge
     lines = ledger_lines(tmp_dir)
     assert [(line["step"], line["steps"]) for line in lines] == [(0, 1), (1, 1), (2, 1), (3, 1)]
     keys = {"format", "run", "step", "steps", "noise_multiplier", "sample_rate", "num_examples", "data"}  # no time
+    keys |= {"max_grad_norm", "delta", "accountant", "unit", "max_examples_per_user", "prev", "hash"}
     assert all(set(line) == keys for line in lines)
     assert {line["run"] for line in lines} == {t.dp_callback.run_id}
     key, _ = fingerprint_key(tmp_dir)
@@ -334,7 +335,9 @@ def test_no_valid_checkpoint_left_says_to_start_a_new_run(two_checkpoints):
     out = two_checkpoints
     shutil.rmtree(os.path.join(out, "checkpoint-2"))
     os.remove(os.path.join(out, "checkpoint-4", "trainer_state.json"))
-    with pytest.raises(CheckpointDPStateError, match="No other checkpoint .* start a new run"):
+    with pytest.raises(
+        CheckpointDPStateError, match="No other checkpoint .* start over without `resume_from_checkpoint` in the same"
+    ):
         trainer(out, max_steps=6).train(resume_from_checkpoint=True)
 
 

@@ -27,13 +27,15 @@ class CountingRecord:
     def __init__(self) -> None:
         self.recorded: list[tuple[float, float]] = []
         self.clip_norms: list[tuple[float, float]] = []
+        self.clip_norms_used: list[float] = []
 
     @property
     def steps(self) -> int:
         return len(self.recorded)
 
-    def record_step(self, *, noise_multiplier: float, sample_rate: float) -> None:
+    def record_step(self, *, noise_multiplier: float, sample_rate: float, max_grad_norm: float) -> None:
         self.recorded.append((noise_multiplier, sample_rate))
+        self.clip_norms_used.append(max_grad_norm)
 
     def record_clip_norm(self, used: float, next_clip_norm: float) -> None:
         self.clip_norms.append((used, next_clip_norm))

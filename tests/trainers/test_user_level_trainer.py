@@ -177,7 +177,7 @@ def test_adaptive_clipping_moves_c_and_splits_the_noise(tmp_dir):
     fixed = DPTrainer(
         model=gpt2(),
         args=dp_args(
-            tmp_dir,
+            f"{tmp_dir}/fixed",  # its own folder: a run in the same one would count the adaptive run's steps too
             max_steps=6,
             per_device_train_batch_size=5,
             gradient_accumulation_steps=2,

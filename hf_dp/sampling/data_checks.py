@@ -9,7 +9,7 @@ micro-batch is checked for sequences of length 0 too (its shapes only: no device
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -57,24 +57,29 @@ def sequence_length(row: Mapping[str, Any]) -> int | None:
     return None
 
 
-def check_training_rows(rows: Sequence[Mapping[str, Any]], target_count, *, total: int) -> None:
+def check_training_rows(rows: Iterable[Mapping[str, Any]], target_count, *, total: int) -> None:
     """Refuse a training set whose sampled ``rows`` (of its ``total``) all have sequences of length 0, or together not
-    one target to learn (``target_count(row)``: a row's targets, `None` if unknown).
+    one target to learn (``target_count(row)``: a row's targets, `None` if unknown). Reads rows until one has both a
+    token and a target (usually the first).
 
     Raises:
         ValueError: with what to check in the data preparation.
     """
-    which = "all" if len(rows) == total else f"{len(rows)} evenly spaced"
-    lengths = [sequence_length(row) for row in rows]
-    if rows and all(n == 0 for n in lengths):
+    checked, has_tokens, has_targets = 0, False, False
+    for row in rows:
+        checked += 1
+        has_tokens = has_tokens or sequence_length(row) != 0
+        has_targets = has_targets or target_count(row) != 0
+        if has_tokens and has_targets:
+            return
+    which = "all" if checked == total else f"{checked} evenly spaced"
+    if checked and not has_tokens:
         raise ValueError(
             f"The training examples have no tokens: every sequence is of length 0 ({which} of the {total} rows "
             "checked), so there is nothing to train on. Check the tokenization (the text column, `max_length`, "
             "truncation or filtering that emptied the rows)."
         )
-    counts = [target_count(row) for row in rows]
-    known = [c for c in counts if c is not None]
-    if known and len(known) == len(counts) and sum(known) == 0:
+    if checked and not has_targets:
         raise ValueError(
             f"None of the training examples checked ({which} of the {total} rows) has a target to learn: every "
             "label is -100, which the loss ignores, so each example's gradient is zero and training would run on the "

@@ -70,12 +70,13 @@ class SamplingHooks:
 
     def _check_training_data(self, max_rows: int = 512) -> None:
         """Refuse training data with nothing to learn (:mod:`hf_dp.sampling.data_checks`): a sample of the training
-        set's rows (evenly spaced, all of a small set), read as the Trainer reads them, before collation."""
+        set's rows (evenly spaced, all of a small set), read as the Trainer reads them, before collation, until one
+        has a token and a target (usually the first)."""
         dataset = self.train_dataset
         total = len(dataset)
         count = min(total, max_rows)
         indices = sorted({round(i * (total - 1) / max(count - 1, 1)) for i in range(count)})
-        check_training_rows([dataset[i] for i in indices], self._row_target_count, total=total)
+        check_training_rows((dataset[i] for i in indices), self._row_target_count, total=total)
 
     def _row_target_count(self, row) -> int | None:
         """The tokens a training row (before collation) has to learn from (`None`: not known before collation)."""

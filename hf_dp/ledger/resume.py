@@ -101,7 +101,8 @@ def restore_privacy_spent(
         raise ValueError(
             f"hf_dp: cannot resume {checkpoint} with `privacy_unit={privacy_unit!r}`: its privacy was spent with "
             f"`privacy_unit={spent_unit!r}`, and guarantees for different units of privacy do not compose into one. "
-            "Resume with the same unit, or start a new run in a new `output_dir`."
+            "Resume with the same unit, or start over without `resume_from_checkpoint` in this `output_dir`: the card "
+            "then says that the steps spent with the other unit are not covered."
         )
     # Every process must resume with the same history (the main one's files; others may not see them).
     reconciled = broadcast_from_main([reconcile_with_ledgers(checkpoint, attributes, output_dir)])[0]

@@ -280,3 +280,7 @@ def test_resume_with_another_unit_of_privacy_is_refused(tmp_dir):
     )
     with pytest.raises(ValueError, match="units of privacy do not compose"):
         rows.train(resume_from_checkpoint=f"{tmp_dir}/checkpoint-1")
+    rows.train()  # the advice: start over in this output_dir; the user-level steps are said not to be covered
+    assert rows.dp_callback.carried_steps == 0
+    assert any("unit of privacy is 'user', not 'example'" in note for note in rows.dp_callback.not_covered)
+    assert "Not covered by the guarantee above" in rows.dp_model_card_section()

@@ -12,11 +12,13 @@ import importlib
 from typing import Any
 
 from ._moved import install_moved_module_aliases
-from .arguments import DPSeq2SeqTrainingArguments, DPTrainingArguments
+from .arguments import DPArgumentsMixin, DPSeq2SeqTrainingArguments, DPTrainingArguments
 from .engine import CLIPPING_MODES, BookKeepingClipper, SelfCheckError
 from .layers import LayerRule, UnsupportedModuleError, register_rule
 from .ledger.callback import DPCallback
+from .plan.batchnorm import replace_batchnorm
 from .sampling.poisson import PoissonBatchSampler
+from .trainers.mixin import DPTrainerMixin
 from .trainers.seq2seq import DPSeq2SeqTrainer
 from .trainers.trainer import DPTrainer
 from .version import __version__ as __version__
@@ -46,14 +48,17 @@ install_moved_module_aliases()
 __all__ = [
     "CLIPPING_MODES",
     "BookKeepingClipper",
+    "DPArgumentsMixin",
     "DPCallback",
     "DPSeq2SeqTrainer",
     "DPSeq2SeqTrainingArguments",
     "DPTrainer",
+    "DPTrainerMixin",
     "DPTrainingArguments",
     "LayerRule",
     "PoissonBatchSampler",
     "SelfCheckError",
     "UnsupportedModuleError",
     "register_rule",
+    "replace_batchnorm",
 ]

@@ -9,7 +9,8 @@ applied per example.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor
 
 __all__ = [
     "LABEL_NAMES",
+    "call_loss_function",
     "LOSS_TYPES",
     "PER_EXAMPLE_LOSSES",
     "causal_lm_loss",
@@ -320,6 +322,22 @@ LABEL_NAMES: dict[str, tuple[str, ...]] = {
 LOSS_TYPES = sorted(PER_EXAMPLE_LOSSES)
 #: Loss types over an example's target tokens (label ``-100``: not a target): an example without one adds nothing.
 TOKEN_LOSS_TYPES = ("causal_lm", "masked_lm", "seq2seq_lm", "token_classification", "ctc")
+
+
+def call_loss_function(function: Callable[..., Tensor], outputs: Any, labels: Any) -> Tensor:
+    """``function(outputs, labels)``; with transformers' signature ``(outputs, labels, num_items_in_batch)``, its
+    third argument is `None`: a count of tokens over the whole (logical) batch would couple the examples, so hf_dp
+    never gives one (the function must return one loss per example)."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin or a callable without a signature
+        return function(outputs, labels)
+    if "num_items_in_batch" in parameters:
+        return function(outputs, labels, num_items_in_batch=None)
+    positional = [p for p in parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 3 and positional[2].default is inspect.Parameter.empty:
+        return function(outputs, labels, None)
+    return function(outputs, labels)
 
 
 def target_counts(loss_type: str, labels: Mapping[str, Tensor]) -> Tensor | None:

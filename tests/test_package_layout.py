@@ -199,16 +199,19 @@ def test_the_length_checks_count_what_they_should(tmp_path):
 PUBLIC_NAMES = [
     "CLIPPING_MODES",
     "BookKeepingClipper",
+    "DPArgumentsMixin",
     "DPCallback",
     "DPSeq2SeqTrainer",
     "DPSeq2SeqTrainingArguments",
     "DPTrainer",
+    "DPTrainerMixin",
     "DPTrainingArguments",
     "LayerRule",
     "PoissonBatchSampler",
     "SelfCheckError",
     "UnsupportedModuleError",
     "register_rule",
+    "replace_batchnorm",
 ]
 
 

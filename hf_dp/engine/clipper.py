@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 
 from torch import Tensor, nn
 
-from ..layers import UnsupportedModuleError
+from ..layers import UnsupportedModuleError, spec_augment
 from .backward import BackwardBookkeeping
 from .capture import CallCapture
 from .clipping import GroupClipping
@@ -125,7 +125,13 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, CheckpointRegions
         self._used_of: dict[int, nn.Parameter] = {id(twin): p for p, twin in self._registered.items()}
         self._original_requires_grad = {p: p.requires_grad for p in model.parameters()}
         self._original_requires_grad.update({twin: twin.requires_grad for twin in self._registered.values()})
-        self._static = plan_coverage(model, allow_fallback=allow_fallback)
+        # SpecAugment's masking runs as a child's call while the clipper is installed (undone by `remove()`)
+        self._spec_augment = spec_augment.install(model)
+        try:
+            self._static = plan_coverage(model, allow_fallback=allow_fallback)
+        except BaseException:
+            spec_augment.uninstall(self._spec_augment)
+            raise
         self._trainable = tuple(trainable_parameters(model))
         self._set_groups()
         self._warned_scale = False
@@ -220,6 +226,8 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, CheckpointRegions
         self._root_handles, self._plan_handles = [], []
         for p, flag in self._original_requires_grad.items():
             p.requires_grad_(flag)
+        spec_augment.uninstall(self._spec_augment)
+        self._spec_augment = []
         self._plan, self._pass, self._prepared, self._capturing = None, None, False, False
         self._origins = {}
         self._shadow_depth = defaultdict(int)

@@ -1,7 +1,8 @@
 """Static coverage: which module's rule covers which trainable parameter, before any forward pass.
 
 Every module that owns a trainable parameter is hooked for it (closed-form rule, or the torch.func fallback for what
-its rule does not cover), so a weight tied between an ``nn.Linear`` and an embedding subclass is covered in both.
+its rule does not cover), so a weight tied between an ``nn.Linear`` and an embedding subclass is covered in both;
+unless another module's rule covers it for its owner (SpecAugment's mask embedding, :mod:`hf_dp.layers.spec_augment`).
 This is the early check (BatchNorm, uncovered parameters); the engine then proves on the first batch that every
 use of every parameter is covered exactly once (:mod:`.planner`).
 """
@@ -69,12 +70,14 @@ def _reject_batch_statistics(model: nn.Module) -> None:
             raise UnsupportedModuleError(
                 f"Module `{name}` ({type(module).__name__}) is a BatchNorm layer: its output for one example depends "
                 "on the others in the batch, so no per-example gradient exists and DP-SGD cannot bound the "
-                "sensitivity (frozen or not: in training mode it normalises with the batch's statistics). Replace it "
-                "with a per-example normalisation, `torch.nn.GroupNorm(num_groups, num_channels)` for each "
-                "`BatchNorm*d(num_channels)` (Opacus `ModuleValidator.fix(model)` is such a converter; the "
-                "pretrained statistics are lost, so fine-tune after converting), or `LayerNorm`; or choose a model "
-                "without BatchNorm (vision: ViT, DeiT, BEiT, Swin, ConvNeXt, DINOv2 train with LayerNorm; ResNet, "
-                "SegFormer, MobileNet, EfficientNet, RegNet use BatchNorm)."
+                "sensitivity (frozen or not: in training mode it normalises with the batch's statistics). Before "
+                "training, call `model = hf_dp.replace_batchnorm(model)`: it replaces each `BatchNorm*d(num_channels)` "
+                "with a per-example normalisation, `torch.nn.GroupNorm(num_groups, num_channels)` with its weight and "
+                "bias (the conversion of Opacus `ModuleValidator.fix(model)`; the pretrained statistics are lost, so "
+                'fine-tune after converting); `hf_dp.replace_batchnorm(model, strategy="frozen")` instead keeps each '
+                "one in eval mode for good (running statistics fixed, weight and bias trainable). Or use `LayerNorm`, "
+                "or choose a model without BatchNorm (vision: ViT, DeiT, BEiT, Swin, ConvNeXt, DINOv2 train with "
+                "LayerNorm; ResNet, SegFormer, MobileNet, EfficientNet, RegNet use BatchNorm)."
             )
         if (
             isinstance(module, _InstanceNorm)
@@ -107,25 +110,39 @@ def plan_coverage(model: nn.Module, *, allow_fallback: bool = True) -> list[Hook
     """
     _reject_batch_statistics(model)
     trainable = {id(p) for p in trainable_parameters(model)}
-    hooked: list[HookedModule] = []
+    matched: list[tuple[str, nn.Module, RuleMatch | None]] = []
     for name, module in model.named_modules():
         check_prefix_encoder(module, name)
-        if isinstance(module, _CONTAINERS):
-            continue  # never called: its parameters belong to the module that holds it
-        match = _applicable_match(module, name)
-        covered: set[int] = set()
+        if not isinstance(module, _CONTAINERS):  # a container is never called: the module that holds it uses them
+            matched.append((name, module, _applicable_match(module, name)))
+    delegated = _delegated(matched)
+    hooked: list[HookedModule] = []
+    for name, module, match in matched:
+        covered: set[int] = delegated
         if match is not None:
             params = [p for p in match.rule.parameters(module) if id(p) in trainable]
-            covered = {id(p) for p in params}
+            covered = {id(p) for p in params} | delegated
             own = [n for n, p in _own_parameters(module) if id(p) in trainable and id(p) not in covered]
             if own and not match.exact:  # a guessed rule that does not cover the module: the fallback takes it all
-                match, covered = None, set()
+                match, covered = None, delegated
             elif params:
                 hooked.append(HookedModule(name, module, match.rule, params, match))
         own = [(n, p) for n, p in _own_parameters(module) if id(p) in trainable and id(p) not in covered]
         if own:
             hooked.append(_fallback_entry(name, module, own, rule_found=match is not None, allow=allow_fallback))
     return hooked
+
+
+def _delegated(matched: list[tuple[str, nn.Module, RuleMatch | None]]) -> set[int]:
+    """Ids of the parameters a module's rule covers for another module, their owner (SpecAugment's mask embedding:
+    its owner's masking method runs as the call of a child, :mod:`hf_dp.layers.spec_augment`): the owner is not hooked
+    for them."""
+    delegated: set[int] = set()
+    for _, module, match in matched:
+        if match is not None:
+            own = {id(p) for _, p in _own_parameters(module)}
+            delegated |= {id(p) for p in match.rule.parameters(module) if id(p) not in own}
+    return delegated
 
 
 def _applicable_match(module: nn.Module, name: str) -> RuleMatch | None:

@@ -18,7 +18,7 @@ from dataclasses import replace
 from torch import Tensor, nn
 
 from ..layers import ScaledRule, UnsupportedModuleError
-from .batch import RootBatch, slice_batch
+from .batch import RootBatch, check_bags, describe, slice_batch
 from .checkpointing import own_saved_tensors
 from .coverage import HookedModule
 from .planner import CallLayout, Plan, build_plan, expansion_changes_output, fits, needs_third_run
@@ -57,7 +57,7 @@ class PlanProof:
         def failed(err: Exception) -> UnsupportedModuleError:
             return UnsupportedModuleError(
                 "hf_dp proves where the examples lie in every layer by running the model on sub-batches of 1 "
-                f"and 2 examples cut out of this batch (dimension 0 of every input of size {batch.size}), and "
+                f"and 2 examples cut out of this batch ({describe(batch)}), and "
                 f"that run failed: {type(err).__name__}: {err}. Pass batch-first inputs whose examples can be "
                 "sliced along dimension 0."
             )
@@ -79,11 +79,13 @@ class PlanProof:
                 with Prober(self.model) as prober:
                     one = prober.run(*slice_batch(args, kwargs, batch, [first]), params)
                     # the plan reads the uses of the parameters off the first run only
-                    two = prober.run(*slice_batch(args, kwargs, batch, pair), params, uses=False)
+                    sub = slice_batch(args, kwargs, batch, pair)
+                    two = prober.run(*sub, params, uses=False)
             except UnsupportedModuleError:
                 raise
             except Exception as err:
                 raise failed(err) from err
+            check_bags(batch, *sub, two.calls)  # bags of flat inputs: an EmbeddingBag takes them
             # e.g. a mask built only when some example is padded: the third run, if the plan reads such a leaf
             three = third_run if needs_third_run(one, two) else None
             plan = build_plan(

@@ -14,8 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import FALLBACK_RULE, LayerRule, ScaledRule
-from ..layers.base import autocast_like
+from ..layers.base import autocast_like, own_named_parameters
 from .coverage import HookedModule
+from .foreign_check import foreign_disagreement
 from .layouts import Layouts, closed_form_layout, is_float
 from .probe import CallRecord, tolerance
 from .rule_check import rule_disagreement
@@ -63,11 +64,12 @@ def choose_rule(
     if first is None:
         return rule  # its uses are covered by an enclosing module (decided per use: :mod:`.use_coverage`)
     layout = closed_form_layout(rule, first, layouts)
-    problem = (
-        rule_disagreement(entry, rule, first, layout)
-        if checks is None
-        else checks.disagreement(entry, rule, first, layout)
-    )
+    if _covers_foreign(entry):
+        problem = foreign_disagreement(entry, rule, first, layout)
+    elif checks is None:
+        problem = rule_disagreement(entry, rule, first, layout)
+    else:
+        problem = checks.disagreement(entry, rule, first, layout)
     if problem is None:
         return rule
     if match is not None and match.exact:
@@ -83,6 +85,12 @@ def choose_rule(
         problem,
     )
     return FALLBACK_RULE
+
+
+def _covers_foreign(entry: HookedModule) -> bool:
+    """Whether ``entry``'s rule covers parameters its module does not own (SpecAugment's mask embedding)."""
+    own = {id(p) for _, p in own_named_parameters(entry.module)}
+    return any(id(p) not in own for p in entry.params)
 
 
 def _measure_scale(module: nn.Module, base: type, call: CallRecord) -> float | None:

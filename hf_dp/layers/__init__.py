@@ -3,7 +3,18 @@
 Importing this package registers every built-in rule.
 """
 
-from . import conv, conv1d_hf, embedding, embedding_bag, layernorm, linear, lora, prefix, rmsnorm  # noqa: F401
+from . import (  # noqa: F401
+    conv,
+    conv1d_hf,
+    embedding,
+    embedding_bag,
+    layernorm,
+    linear,
+    lora,
+    prefix,
+    rmsnorm,
+    spec_augment,
+)
 from .base import LAYOUT_KINDS, Captured, LayerRule, Layout, NeedsFallback, UnsupportedModuleError
 from .fallback import FALLBACK_RULE, FallbackRule
 from .registry import (

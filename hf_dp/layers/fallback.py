@@ -284,9 +284,9 @@ def _whole_batch(out: Tensor, grad: Tensor, dim: int, batch_size: int) -> bool:
 
 
 class _HostRandomStreams:
-    """numpy's and Python's global random streams around a re-run: a draw there (wav2vec2's SpecAugment masks come
-    from ``np.random``) cannot be recorded and replayed like torch's, so the re-run computed with other numbers than
-    the forward pass did: refused, and the streams are left as they were."""
+    """numpy's and Python's global random streams around a re-run: a draw there (SpecAugment masks drawn with
+    ``np.random`` inside a module the fallback re-runs) cannot be recorded and replayed like torch's, so the re-run
+    computed with other numbers than the forward pass did: refused, and the streams are left as they were."""
 
     def __init__(self) -> None:
         self.python = random.getstate()
@@ -303,12 +303,11 @@ class _HostRandomStreams:
         if moved:
             raise UnsupportedModuleError(
                 f"{type(module).__name__} draws random numbers from {' and '.join(f'`{m}`' for m in moved)} in its "
-                f"forward pass (e.g. wav2vec2's SpecAugment masks, `mask_time_prob` / `mask_feature_prob`), and the "
-                f"torch.func fallback that covers its own parameters {names} re-runs that forward per example: the "
-                "re-run draws other numbers than the forward pass did, so its per-example gradients would be wrong. "
-                "Freeze those parameters (wav2vec2-style models: `model.<base>.masked_spec_embed.requires_grad_(False)`"
-                "; the masks are then drawn once, in the forward pass, and training is exact) or turn the draws off "
-                "(`mask_time_prob=0`, `mask_feature_prob=0`)."
+                f"forward pass (e.g. SpecAugment masks, `mask_time_prob` / `mask_feature_prob`), and the torch.func "
+                f"fallback that covers its own parameters {names} re-runs that forward per example: the re-run draws "
+                "other numbers than the forward pass did, so its per-example gradients would be wrong. Freeze those "
+                "parameters (`requires_grad_(False)`: the draws then happen once, in the forward pass, and training "
+                "is exact) or turn the draws off (`mask_time_prob=0`, `mask_feature_prob=0`)."
             )
 
     def restore(self) -> None:

@@ -65,6 +65,8 @@ class DPCallback(TrainerCallback, ExportableState):
         self.carried: list[dict[str, Any]] = []
         #: What the stated epsilon does not cover (one sentence each).
         self.not_covered: list[str] = []
+        #: Prefixes of evaluation metrics computed on the training set: withheld from the saved trainer state.
+        self.withheld_metrics: tuple[str, ...] = ()
         self._budget_steps: int | None = None
         self._frozen: DPPlan | None = None
         self._ledger: PrivacyLedger | None = None
@@ -246,7 +248,7 @@ class DPCallback(TrainerCallback, ExportableState):
     # ------------------------------------------------------------------ events
     def on_train_begin(self, args, state, control, **kwargs):
         # Every later save of this state (checkpoints, save_state) writes only released statistics.
-        release_state(state, getattr(args, "publish_training_metrics", False))
+        release_state(state, getattr(args, "publish_training_metrics", False), self.withheld_metrics)
         remaining = state.max_steps - state.global_step if state.max_steps and state.max_steps > 0 else None
         self._budget_steps = self.steps_within_budget(remaining)
         if self._budget_steps is not None and self._budget_steps <= self.steps:

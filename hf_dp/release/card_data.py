@@ -98,6 +98,9 @@ class DPModelCardData:
             Quantile-adaptive clipping: `target_quantile`, `learning_rate`, `count_noise_multiplier`,
             `gradient_noise_multiplier` and `clip_norms` (the C of every step taken). `max_grad_norm` is then the
             starting C.
+        eval_withheld (`list[str]`, *optional*, defaults to `[]`):
+            Prefixes of the evaluation metrics computed on the training set (e.g. `"eval_"`) that were withheld from
+            every written file.
         earlier_steps (`int`, *optional*, defaults to 0):
             Noisy steps of earlier runs in the same output folder that `segments` include (counted as spent).
         not_covered (`list[str]`, *optional*, defaults to `[]`):
@@ -141,6 +144,7 @@ class DPModelCardData:
     max_examples_per_user: int | None = None
     num_rows: int | None = None
     adaptive_clipping: dict[str, Any] | None = None
+    eval_withheld: list[str] = field(default_factory=list)
     earlier_steps: int = 0
     not_covered: list[str] = field(default_factory=list)
 
@@ -241,7 +245,7 @@ def _check_epsilons_and_delta(data: DPModelCardData, segments: list[tuple[float,
 
 def _check_release_fields(data: DPModelCardData) -> None:
     """The lists of names are lists, the plot is a file name relative to the card, and the audit has its keys."""
-    for name in ("published_training_metrics", "eval_overlap", "eval_selection", "not_covered"):
+    for name in ("published_training_metrics", "eval_overlap", "eval_selection", "eval_withheld", "not_covered"):
         if isinstance(getattr(data, name), str):
             raise TypeError(f"`{name}` must be a list of strings, got str.")
     if data.epsilon_plot is not None and (os.path.isabs(data.epsilon_plot) or "://" in data.epsilon_plot):

@@ -98,6 +98,13 @@ def published_note(metrics: list[str], eval_on_training_data: bool = False) -> s
 def eval_note(data: DPModelCardData) -> str:
     if data.eval_overlap:
         what = "; ".join(data.eval_overlap)
+        if data.eval_withheld:
+            prefixes = ", ".join(f"`{p}*`" for p in data.eval_withheld)
+            return wrap(
+                f"The evaluation data overlaps the training set: {what}. Its metrics ({prefixes}) are un-noised "
+                "statistics of the training data, so they were withheld from the released files (this card, the "
+                "logs and metrics files written): no number computed on training data leaves with the model."
+            )
         text = (
             f"The evaluation data overlaps the training set: {what}. Evaluation metrics reported on this card or in "
             "the repository were computed, without noise, on training data and are NOT covered by the guarantee; they "

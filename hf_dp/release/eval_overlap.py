@@ -52,6 +52,8 @@ __all__ = [
     "find_eval_overlap",
     "row_digest",
     "selection_settings",
+    "training_metric_prefixes",
+    "withheld_metric_prefixes",
 ]
 
 #: A row overlap estimated at this fraction of the evaluation rows or more is the training set, not duplicates.
@@ -85,6 +87,15 @@ class EvalOverlap:
     train_rows_hashed: int = 0
     num_train: int = 0
     fraction: float = 1.0
+
+    @property
+    def metric_prefix(self) -> str:
+        """The prefix of the metrics ``Trainer.evaluate`` logs for this set: ``eval_``, or ``eval_<key>_`` for a set
+        of a dict of evaluation sets."""
+        if self.name.startswith("eval_dataset[") and self.name.endswith("]"):
+            key = self.name[len("eval_dataset[") : -1].strip("'\"")
+            return f"eval_{key}_"
+        return "eval_"
 
     @property
     def is_training_set(self) -> bool:
@@ -393,6 +404,20 @@ def check_eval_selection(trainer: Any) -> list[EvalOverlap]:
     return overlaps
 
 
+def training_metric_prefixes(trainer: Any) -> tuple[str, ...]:
+    """The prefixes of the evaluation metrics computed on the training set (an evaluation set that is, or
+    substantially overlaps, it): un-noised statistics of the training data."""
+    if trainer.eval_dataset is None or trainer.train_dataset is None:
+        return ()
+    overlaps, _ = _trainer_overlap(trainer)
+    return tuple(dict.fromkeys(o.metric_prefix for o in overlaps if o.is_training_set))
+
+
+def withheld_metric_prefixes(trainer: Any) -> tuple[str, ...]:
+    """:func:`training_metric_prefixes`, withheld from every written file unless ``publish_training_metrics``."""
+    return () if trainer.args.publish_training_metrics else training_metric_prefixes(trainer)
+
+
 def eval_card_fields(trainer: Any) -> dict[str, Any]:
     """The model card's fields on the evaluation data: ``eval_checked``, ``eval_overlap``, ``eval_selection``.
 
@@ -403,7 +428,7 @@ def eval_card_fields(trainer: Any) -> dict[str, Any]:
         `dict`: keyword arguments for :class:`~hf_dp.release.model_card.DPModelCardData`.
     """
     if trainer.eval_dataset is None or trainer.train_dataset is None:
-        return {"eval_checked": False, "eval_overlap": [], "eval_selection": []}
+        return {"eval_checked": False, "eval_overlap": [], "eval_selection": [], "eval_withheld": []}
     overlaps, unchecked = _trainer_overlap(trainer)
     settings = selection_settings(
         trainer.args, trainer.callback_handler.callbacks, getattr(trainer, "lr_scheduler", None)
@@ -412,4 +437,5 @@ def eval_card_fields(trainer: Any) -> dict[str, Any]:
         "eval_checked": not unchecked,
         "eval_overlap": [o.describe() for o in overlaps],
         "eval_selection": settings if overlaps else [],
+        "eval_withheld": list(withheld_metric_prefixes(trainer)),
     }

@@ -9,9 +9,12 @@ everything that is written to disk or pushed (``trainer_state.json`` in checkpoi
 
 It is an allowlist: a log key is released only if it is known to be noised or public. Evaluation metrics
 (``eval_*``, ``test_*``, ``predict_*``) are computed on the data given for evaluation, the user's business; the card
-says that the guarantee does not cover them, and, when the trainer's ``eval_dataset`` is or overlaps the training set
-(:mod:`hf_dp.release.eval_overlap`), that they were computed on training data. Selection on such metrics
-(``load_best_model_at_end``, early stopping, plateau schedules) is refused before training.
+says that the guarantee does not cover them. When the trainer's ``eval_dataset`` is the training set (or a substantial
+part of it: :mod:`hf_dp.release.eval_overlap`), its metrics are un-noised statistics of the training data: they are
+withheld from every written file like the training loss (the ``withheld`` prefixes, e.g. ``eval_``; kept in memory,
+in ``trainer.state.log_history`` and what ``evaluate()`` returns), unless ``publish_training_metrics=True``, and the
+card says what was withheld. Selection on such metrics (``load_best_model_at_end``, early stopping, plateau schedules)
+is refused before training.
 
 Every folder that receives weights gets the DP card of that moment: ``save_model`` writes it (checkpoints included),
 and the ``hub_strategy`` uploads (every_save, checkpoint, all_checkpoints) write it into ``output_dir`` before the
@@ -46,43 +49,51 @@ RELEASED_LOG_PREFIXES = ("epsilon_", "eval_", "test_", "predict_")
 UNRELEASED_STATE_FIELDS = ("total_flos", "num_input_tokens_seen")
 
 
-def is_released_log_key(key: str) -> bool:
-    """Whether a log key may be written to released files by default."""
+def is_released_log_key(key: str, withheld: tuple[str, ...] = ()) -> bool:
+    """Whether a log key may be written to released files by default (``withheld``: prefixes of evaluation metrics
+    computed on the training set, never released by default)."""
+    if withheld and key.startswith(withheld):
+        return False
     return key in RELEASED_LOG_KEYS or key.startswith(RELEASED_LOG_PREFIXES)
 
 
-def _released_entry(entry: Mapping[str, Any]) -> dict[str, Any] | None:
-    kept = {k: v for k, v in entry.items() if is_released_log_key(k)}
+def _released_entry(entry: Mapping[str, Any], withheld: tuple[str, ...]) -> dict[str, Any] | None:
+    kept = {k: v for k, v in entry.items() if is_released_log_key(k, withheld)}
     # An entry left with only its position carried nothing released.
     return kept if set(kept) - {"epoch", "step"} else None
 
 
-def released_log_history(log_history: Iterable[Mapping[str, Any]], publish: bool = False) -> list[dict[str, Any]]:
+def released_log_history(
+    log_history: Iterable[Mapping[str, Any]], publish: bool = False, withheld: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
     """``log_history`` without un-noised training statistics (all of it when ``publish``)."""
     if publish:
         return [dict(entry) for entry in log_history]
-    return [kept for entry in log_history if (kept := _released_entry(entry)) is not None]
+    return [kept for entry in log_history if (kept := _released_entry(entry, withheld)) is not None]
 
 
-def released_metrics(metrics: Mapping[str, Any], publish: bool = False) -> dict[str, Any]:
+def released_metrics(
+    metrics: Mapping[str, Any], publish: bool = False, withheld: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """A metrics dict (as given to ``save_metrics``) without un-noised training statistics."""
-    return dict(metrics) if publish else {k: v for k, v in metrics.items() if is_released_log_key(k)}
+    return dict(metrics) if publish else {k: v for k, v in metrics.items() if is_released_log_key(k, withheld)}
 
 
-def unreleased_log_keys(log_history: Iterable[Mapping[str, Any]]) -> list[str]:
+def unreleased_log_keys(log_history: Iterable[Mapping[str, Any]], withheld: tuple[str, ...] = ()) -> list[str]:
     """The keys of ``log_history`` that are not released by default (what ``publish_training_metrics`` publishes)."""
-    return sorted({k for entry in log_history for k in entry if not is_released_log_key(k)})
+    return sorted({k for entry in log_history for k in entry if not is_released_log_key(k, withheld)})
 
 
 class ReleasedTrainerState(TrainerState):
     """A ``TrainerState`` whose ``save_to_json`` (checkpoints, ``save_state``) writes only released statistics."""
 
-    _hf_dp_publish: bool = False  # an instance attribute, not a dataclass field: never written
+    _hf_dp_publish: bool = False  # instance attributes, not dataclass fields: never written
+    _hf_dp_withheld: tuple[str, ...] = ()
 
     def save_to_json(self, json_path: str) -> None:
         data = dataclasses.asdict(self)
         if not self._hf_dp_publish:
-            data["log_history"] = released_log_history(data.get("log_history", []))
+            data["log_history"] = released_log_history(data.get("log_history", []), withheld=self._hf_dp_withheld)
             for name in UNRELEASED_STATE_FIELDS:
                 if name in data:
                     data[name] = 0
@@ -90,9 +101,12 @@ class ReleasedTrainerState(TrainerState):
             f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def release_state(state: TrainerState, publish: bool) -> TrainerState:
-    """Make ``state`` a :class:`ReleasedTrainerState` (same object, same fields) so every save is filtered."""
+def release_state(state: TrainerState, publish: bool, withheld: tuple[str, ...] | None = None) -> TrainerState:
+    """Make ``state`` a :class:`ReleasedTrainerState` (same object, same fields) so every save is filtered
+    (``withheld``: set the withheld prefixes; `None` keeps them)."""
     if not isinstance(state, ReleasedTrainerState):
         state.__class__ = ReleasedTrainerState
     state._hf_dp_publish = publish
+    if withheld is not None:
+        state._hf_dp_withheld = tuple(withheld)
     return state

@@ -304,7 +304,9 @@ def _template_fields(data: DPModelCardData, segments: list[tuple[float, float, i
         "clipping_mode": data.clipping_mode,
         "clipping_details_row": f"| Clipping details | {data.clipping_details} |" if data.clipping_details else DROP,
         "optimizer": data.optimizer,
-        "published_note": published_note(list(data.published_training_metrics), bool(data.eval_overlap)),
+        "published_note": published_note(
+            list(data.published_training_metrics), bool(data.eval_overlap) and not data.eval_withheld
+        ),
         "eval_note": eval_note(data),
         "audit": _audit_block(data.audit),
     }

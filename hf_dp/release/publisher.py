@@ -18,15 +18,17 @@ from collections.abc import Callable
 from typing import Any
 
 from .epsilon_plot import plot_epsilon_curve
-from .eval_overlap import eval_card_fields
+from .eval_overlap import eval_card_fields, training_metric_prefixes, withheld_metric_prefixes
 from .filter import released_log_history, unreleased_log_keys
 from .model_card import DPModelCardData, card_tags, render_dp_section, write_dp_model_card
+from .model_saves import attach_dp_card
 
 __all__ = [
     "EPSILON_PLOT",
     "card_data",
     "clipping_details",
     "create_released_model_card",
+    "release_after_train",
     "write_dp_card",
 ]
 
@@ -40,7 +42,8 @@ def create_released_model_card(trainer: Any, create: Callable[..., None], *args:
     tags = kwargs.pop("tags", None)
     kwargs["tags"] = [tags] if isinstance(tags, str) else list(tags or [])
     history = trainer.state.log_history
-    trainer.state.log_history = released_log_history(history, trainer.args.publish_training_metrics)
+    withheld = withheld_metric_prefixes(trainer)
+    trainer.state.log_history = released_log_history(history, trainer.args.publish_training_metrics, withheld)
     try:
         create(*args, **kwargs)
     finally:
@@ -62,6 +65,16 @@ def write_dp_card(trainer: Any, output_dir: str) -> None:
     write_dp_model_card(output_dir, section, tags=card_tags(trainer.epsilon()))
 
 
+def release_after_train(trainer: Any) -> None:
+    """At the end of ``train()`` (also when it was interrupted): the DP card of that moment into ``output_dir`` (a later
+    ``model.save_pretrained(output_dir)``, or PEFT's own card update, keeps it), and on the model's own saves
+    (:mod:`hf_dp.release.model_saves`). Nothing when no noisy step was ever taken."""
+    if trainer.dp_callback.steps == 0:
+        return
+    write_dp_card(trainer, trainer.args.output_dir)
+    attach_dp_card(trainer.model, trainer.dp_model_card_section(), card_tags(trainer.epsilon()))
+
+
 def dp_card_section(trainer: Any, epsilon_plot: str | None = None) -> str:
     """The "Differential privacy" section of the model card, for the privacy spent so far."""
     return render_dp_section(card_data(trainer, epsilon_plot=epsilon_plot))
@@ -72,7 +85,9 @@ def card_data(trainer: Any, epsilon_plot: str | None = None) -> DPModelCardData:
     optimizer, the published metrics, the audit and the evaluation data."""
     plan, callback = trainer.dp_plan, trainer.dp_callback
     names = sorted({plan.accountant, *plan.epsilon_accountants})
-    published = unreleased_log_keys(trainer.state.log_history) if trainer.args.publish_training_metrics else []
+    published = []
+    if trainer.args.publish_training_metrics:
+        published = unreleased_log_keys(trainer.state.log_history, training_metric_prefixes(trainer))
     return DPModelCardData(
         epsilons={name: callback.epsilon(name) for name in names},
         accountant=plan.accountant,

@@ -24,14 +24,14 @@ import torch
 from torch import nn
 from transformers.trainer_utils import TrainOutput
 
-from ..arguments import DPArgumentsMixin, DPTrainingArguments
+from ..arguments import DPTrainingArguments
 from ..engine import BookKeepingClipper
 from ..ledger.callback import DPCallback
-from ..losses import LABEL_NAMES, infer_loss_type, per_example_loss
+from ..losses import LABEL_NAMES, call_loss_function, infer_loss_type, per_example_loss
 from ..plan.checks import check_before_init, check_train_dataset, check_train_start, dp_arguments
 from ..plan.privacy_plan import DPPlan, resolve_plan
 from ..plan.report import log_plan, plan_summary
-from ..release.eval_overlap import check_eval_selection
+from ..release.eval_overlap import check_eval_selection, withheld_metric_prefixes
 from ..release.filter import release_state
 from ..sampling.batch_checks import MicroBatchChecks
 from ..sampling.collators import MicroBatch, batch_size, unpack_micro_batch
@@ -42,6 +42,7 @@ from ..step.distributed import broadcast_from_main
 from ..step.dp_step import DPStep, DPStepSettings
 from ..step.loss_scale import NoisedLossScaling
 from ..step.noise import NoiseSource
+from .composition import InitArguments, next_init
 from .record_hooks import PrivacyRecordHooks
 from .release_hooks import ReleaseHooks
 from .sampling_hooks import SamplingHooks
@@ -60,60 +61,45 @@ class DPTrainerMixin(SamplingHooks, PrivacyRecordHooks, ReleaseHooks):
     _dp_arguments_class: type = DPTrainingArguments
     loss_is_scaled_for_ga = True  # compute_loss returns sum_i loss_i / L: nothing to divide by accumulation
 
-    def __init__(
-        self,
-        model: nn.Module | None = None,
-        args: DPArgumentsMixin | None = None,
-        data_collator=None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        model_init=None,
-        compute_loss_func=None,
-        compute_metrics=None,
-        callbacks=None,
-        optimizers=(None, None),
-        optimizer_cls_and_kwargs=None,
-        preprocess_logits_for_metrics=None,
-    ) -> None:
-        args = dp_arguments(args, self._dp_arguments_class)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """The arguments of the trainer class this mixin sits on, in its order (any ``Trainer`` subclass: unknown
+        arguments pass through, :mod:`hf_dp.trainers.composition`); ``args`` must be DP arguments, ``model_init`` is
+        refused, a :class:`~hf_dp.DPCallback` is added to ``callbacks``."""
+        optimizer_cls_and_kwargs = kwargs.pop("optimizer_cls_and_kwargs", None)  # set below: not every trainer takes it
+        model_init = kwargs.pop("model_init", None)
+        call = InitArguments(next_init(type(self), DPTrainerMixin), args, kwargs)
+        model_init = call.pop("model_init", model_init)
+        dp_args = dp_arguments(call.get("args"), self._dp_arguments_class)
+        call.set("args", dp_args)
         check_before_init(
-            model,
-            args,
-            train_dataset,
+            call.get("model"),
+            dp_args,
+            call.get("train_dataset"),
             model_init,
-            data_collator=data_collator,
-            optimizers=optimizers,
+            data_collator=call.get("data_collator"),
+            optimizers=call.get("optimizers", (None, None)),
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         )
-        super().__init__(
-            model=model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            model_init=None,
-            compute_loss_func=compute_loss_func,
-            compute_metrics=compute_metrics,
-            callbacks=[*(callbacks or []), DPCallback()],
-            optimizers=optimizers,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-        )
-        if optimizer_cls_and_kwargs is not None:  # set here: Seq2SeqTrainer.__init__ does not take it
+        call.set("callbacks", [*(call.get("callbacks") or []), DPCallback()])
+        call.call(super().__init__)
+        if optimizer_cls_and_kwargs is not None:
             if self.optimizer is not None:
                 raise RuntimeError(
                     "Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible."
                 )
             self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self._init_dp_state()
-        if train_dataset is not None:  # bad settings fail now, not after the model is loaded on every GPU
+        if self.train_dataset is not None:  # bad settings fail now, not after the model is loaded on every GPU
             self._dp_plan = self._resolve_plan()
 
     def _init_dp_state(self) -> None:
         args = self.args
+        # a subclass with its own per-example loss (docs/trainer_subclasses.md) needs no loss type of hf_dp's
+        own_loss = type(self).compute_per_example_loss is not DPTrainerMixin.compute_per_example_loss
         self.loss_type = (
-            args.dp_loss_type if args.dp_loss_type != "auto" or self.compute_loss_func else infer_loss_type(self.model)
+            args.dp_loss_type
+            if args.dp_loss_type != "auto" or self._loss_function is not None or own_loss
+            else infer_loss_type(self.model)
         )
         self.dp_step: DPStep | None = None  # built by train() for its duration
         self.dp_audit_result: dict[str, Any] | None = None
@@ -197,15 +183,27 @@ class DPTrainerMixin(SamplingHooks, PrivacyRecordHooks, ReleaseHooks):
             model_inputs["decoder_input_ids"] = unwrapped.prepare_decoder_input_ids_from_labels(labels=inputs["labels"])
         return model_inputs
 
+    @property
+    def _loss_function(self):
+        """The user's ``compute_loss_func`` (`None`: the per-example loss of ``loss_type``)."""
+        return getattr(self, "compute_loss_func", None)
+
+    def dp_forward(self, model: nn.Module, inputs: dict[str, Any]) -> Any:
+        """The model's outputs on a micro-batch, for :meth:`compute_per_example_loss`: ``model(**inputs)`` without the
+        label tensors. A trainer whose model is not called that way (several forward passes, inputs per column)
+        overrides this and :meth:`compute_per_example_loss` (docs/trainer_subclasses.md)."""
+        return model(**self._model_inputs(model, inputs))
+
     def compute_per_example_loss(self, outputs, inputs: dict[str, Any]) -> torch.Tensor:
         """``[B]`` losses, entry ``i`` depending on example ``i`` alone: ``compute_loss_func(outputs, labels)`` if
-        given (``labels``: the batch's label tensor, or a dict of them when it carries several), else the loss of
+        given (``labels``: the batch's label tensor, or a dict of them when it carries several; transformers' third
+        argument ``num_items_in_batch`` is `None`: a count over the batch would couple the examples), else the loss of
         ``loss_type`` (with ``label_smoothing_factor`` applied per example). Override to change the loss."""
         present = {k: inputs[k] for k in self._label_keys() if k in inputs}
-        if self.compute_loss_func is not None:
+        if self._loss_function is not None:
             names = [k for k in (self.label_names or ["labels"]) if k in inputs] or sorted(present)
             labels = inputs[names[0]] if len(names) == 1 else {k: inputs[k] for k in names}
-            loss = self.compute_loss_func(outputs, labels)
+            loss = call_loss_function(self._loss_function, outputs, labels)
         else:
             loss = per_example_loss(
                 self.loss_type,
@@ -216,12 +214,23 @@ class DPTrainerMixin(SamplingHooks, PrivacyRecordHooks, ReleaseHooks):
                 model=self.model,
                 inputs=inputs,
             )
-        rows = batch_size(inputs)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 1 or loss.shape[0] != rows:
+        return loss
+
+    def _checked_per_example(self, loss: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        """The per-example losses: a ``[B]`` tensor (``B`` the batch's rows, unless the sampler recorded how many
+        examples it put in the micro-batch: the batch checks then compare with that count); a batch mean, or a sum
+        normalized by a count over the batch, is refused."""
+        rows = self._sampled_examples if self._sampled_examples is not None else batch_size(inputs)
+        if (
+            not isinstance(loss, torch.Tensor)
+            or loss.dim() != 1
+            or (self._sampled_examples is None and loss.shape[0] != rows)
+        ):
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(
-                f"The per-example loss must have shape [{rows}], got {shape}; `compute_loss_func` must return "
-                "one loss per example, not a batch mean."
+                f"The per-example loss must have shape [{rows}], got {shape}: `compute_per_example_loss` (or "
+                "`compute_loss_func`) must return one loss per example, not a batch mean (nor a sum normalized by "
+                "`num_items_in_batch`, a count over the batch: hf_dp passes `num_items_in_batch=None`)."
             )
         return loss
 
@@ -229,14 +238,14 @@ class DPTrainerMixin(SamplingHooks, PrivacyRecordHooks, ReleaseHooks):
         """During a DP step: ``sum_i loss_i / L`` from per-example losses (the clipper book-keeps its backward).
         Otherwise (evaluation): the Trainer's own loss, so that ``eval_loss`` is what ``Trainer`` reports."""
         if not self._dp_step_active:
-            if self.compute_loss_func is None:
+            if self._loss_function is None:
                 return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            outputs = model(**self._model_inputs(model, inputs))
+            outputs = self.dp_forward(model, inputs)
             loss = self.compute_per_example_loss(outputs, inputs).mean()
             return (loss, outputs) if return_outputs else loss
         with self.dp_step.backend.failing_together():
-            outputs = model(**self._model_inputs(model, inputs))
-            per_example = self.compute_per_example_loss(outputs, inputs)
+            outputs = self.dp_forward(model, inputs)
+            per_example = self._checked_per_example(self.compute_per_example_loss(outputs, inputs), inputs)
             if self._batch_checks is not None:  # one loss per sampled example (shape[0] is on the host: no sync)
                 self._batch_checks.after_loss(per_example, self._sampled_examples)
             if self._loss_weight != 1.0:
@@ -310,7 +319,7 @@ class DPTrainerMixin(SamplingHooks, PrivacyRecordHooks, ReleaseHooks):
         prepared = self._prepare_inputs(inputs)
 
         def loss_fn(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-            return self.compute_per_example_loss(model(**self._model_inputs(model, batch)), batch)
+            return self.compute_per_example_loss(self.dp_forward(model, batch), batch)
 
         with self.compute_loss_context_manager():
             error = self.dp_step.clipper.self_check(prepared, loss_fn)
@@ -406,6 +415,7 @@ class DPTrainerMixin(SamplingHooks, PrivacyRecordHooks, ReleaseHooks):
         self._check_training_data()  # sequences of length 0, no target to learn
         self._batch_checks = MicroBatchChecks(self.data_collator)
         check_eval_selection(self)  # no checkpoint selection, early stopping or plateau schedule on the training data
+        self.dp_callback.withheld_metrics = withheld_metric_prefixes(self)  # eval metrics on training data: not written
         steps_done = self._start_privacy_record(resume_from_checkpoint)
         callback = self.dp_callback
         self._dp_plan = self._resolve_plan(past=callback.spent_history, saved=callback.plan, steps_done=steps_done)
@@ -429,4 +439,5 @@ class DPTrainerMixin(SamplingHooks, PrivacyRecordHooks, ReleaseHooks):
                 self.dp_step.clipper.remove()
             self.dp_step.clipper, self.dp_step.noise, self._in_train = None, None, False
             self._sampling_seed = None
+            self._release_after_train()
         return TrainOutput(output.global_step, output.metrics.get("train_loss", output.training_loss), output.metrics)

@@ -3,8 +3,13 @@ released state and metrics, the DP model card in every folder that receives weig
 
 from __future__ import annotations
 
+import logging
+
 from ..release import publisher
+from ..release.eval_overlap import withheld_metric_prefixes
 from ..release.filter import release_state, released_metrics
+
+logger = logging.getLogger("hf_dp")
 
 __all__ = ["ReleaseHooks"]
 
@@ -15,11 +20,12 @@ class ReleaseHooks:
 
     def save_metrics(self, split, metrics, combined=True):
         """``Trainer.save_metrics`` without un-noised training statistics (see :mod:`hf_dp.release.filter`)."""
-        return super().save_metrics(split, released_metrics(metrics, self.args.publish_training_metrics), combined)
+        kept = released_metrics(metrics, self.args.publish_training_metrics, withheld_metric_prefixes(self))
+        return super().save_metrics(split, kept, combined)
 
     def save_state(self):
         """``Trainer.save_state``; the written ``trainer_state.json`` holds only released statistics."""
-        release_state(self.state, self.args.publish_training_metrics)
+        release_state(self.state, self.args.publish_training_metrics, withheld_metric_prefixes(self))
         return super().save_state()
 
     def create_model_card(self, *args, **kwargs) -> None:
@@ -52,6 +58,16 @@ class ReleaseHooks:
         ):
             publisher.write_dp_card(self, self.args.output_dir)
         super()._push_from_checkpoint(checkpoint_folder)
+
+    def _release_after_train(self) -> None:
+        """The card in ``output_dir`` and on the model's own saves, at the end of ``train()`` (main process; a failure
+        here is logged, never raised over the error that ended training)."""
+        if not self.is_world_process_zero():
+            return
+        try:
+            publisher.release_after_train(self)
+        except Exception as error:  # noqa: BLE001
+            logger.warning("hf_dp: could not write the DP model card at the end of train(): %s", error)
 
     def dp_model_card_section(self, epsilon_plot: str | None = None) -> str:
         """The "Differential privacy" section of the model card, for the privacy spent so far."""

@@ -117,13 +117,25 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
         ["test_vision_speech::TestVision"],
     ),
     (
-        "wav2vec2 `*ForCTC` (per-example CTC loss) and `*ForSequenceClassification`; SpecAugment in training",
-        f"exact: {ALL} (SpecAugment with `masked_spec_embed` frozen); a trainable `masked_spec_embed` with "
-        "SpecAugment on: refused at the first step",
-        "the mask embedding written in place into `feature_projection`'s output is seen by the hook on its storage "
-        "root; numpy's masks cannot be replayed by the fallback's per-example re-run of the model, which is refused "
-        "when numpy's (or Python's) random stream moves in it",
-        ["test_vision_speech::TestSpeech"],
+        "wav2vec2 `*ForCTC` (per-example CTC loss) and `*ForSequenceClassification`; SpecAugment in training "
+        "(`mask_time_prob`, `mask_feature_prob`), `masked_spec_embed` frozen or trainable; the same masking in "
+        "HuBERT, WavLM, Data2VecAudio, UniSpeech(-SAT), SEW, Wav2Vec2-BERT, SpeechT5's speech prenet",
+        f"exact: {ALL} (masks drawn by the model, or passed as `mask_time_indices`); through `DPTrainer` with the "
+        "three names",
+        "`_mask_hidden_states` runs as the call of a child module while the clipper is installed: the embedding's "
+        "per-example gradient is the output gradient summed over the rows the recorded mask wrote it into (0 where a "
+        "feature mask overwrote it), no re-run and no redraw of numpy's masks; any other use of the embedding "
+        "refused. Frozen, its write into `feature_projection`'s output is seen by the hook on its storage root. "
+        "(SEW-D and Wav2Vec2-Conformer share the masking and are refused for other layers)",
+        [
+            "test_vision_speech::TestSpeech",
+            "layers.test_spec_augment::test_wav2vec2_masks_drawn_in_training",
+            "layers.test_spec_augment::test_wav2vec2_mask_passed_as_input",
+            "layers.test_spec_augment::test_the_engine_uses_the_mask_the_forward_pass_drew",
+            "layers.test_spec_augment::test_families_sharing_the_masking_are_exact",
+            "layers.test_spec_augment::test_speecht5_speech_prenet",
+            "layers.test_spec_augment::test_other_uses_of_the_embedding_are_refused",
+        ],
     ),
     (
         "BEiT (relative position bias, layer scale)",

@@ -8,6 +8,7 @@ uploaded folder as it was at the upload, and ``huggingface_hub.HfApi`` itself ra
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import json
 import math
@@ -25,6 +26,7 @@ from hf_dp import DPTrainer
 from hf_dp.accounting import epsilon as accounted_epsilon
 from hf_dp.release.eval_overlap import REFUSE_FRACTION, EvalOverlap, find_eval_overlap, row_digest, selection_settings
 from hf_dp.release.model_card import format_bound
+from hf_dp.release.model_saves import detach_dp_card
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin")
 
@@ -59,6 +61,18 @@ class FakeHub:
                 return None
 
         return Done() if run_as_future else None
+
+    def create_commit(self, repo_id, operations, commit_message=None, **kwargs):
+        """What `model.push_to_hub` uses (PushToHubMixin._upload_modified_files): the added files, read now."""
+        files = {}
+        for op in operations:
+            source = op.path_or_fileobj
+            if isinstance(source, str | os.PathLike):
+                with open(source, "rb") as f:
+                    files[op.path_in_repo] = f.read()
+            else:
+                files[op.path_in_repo] = source if isinstance(source, bytes) else source.read()
+        self.uploads.append({"path_in_repo": "", "message": commit_message, "files": files})
 
     def __getattr__(self, name):  # any other Hub call is a test failure, not a network access
         raise AssertionError(f"unexpected Hub call {name}")
@@ -118,30 +132,31 @@ def files_under(root: str) -> dict[str, bytes]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------- 1. the DP tag
-class TestTagOnlyWithTheSection:
-    def test_save_pretrained_writes_no_dp_tag(self, tmp_dir):
+# ---------------------------------------------------------------------------------- 1. the model's own saves (issue 39)
+class TestTheModelsOwnSaves:
+    """After train(), the model's own `save_pretrained` and `push_to_hub` write the DP card of that moment (with its
+    tags), as `trainer.save_model` does; `output_dir` gets the card at the end of train()."""
+
+    def test_save_pretrained_writes_the_dp_card(self, tmp_dir):
         model = gpt2()
         trainer = DPTrainer(
             model=model, args=dp_args(tmp_dir, max_steps=2), train_dataset=ToyDataset(40), data_collator=collate
         )
         assert not (model.model_tags or [])  # __init__ tags nothing
         trainer.train()
-        assert not (model.model_tags or [])
+        assert_dp_card_of_step(open(os.path.join(tmp_dir, "README.md")).read(), trainer, steps=2)  # output_dir
         plain = os.path.join(tmp_dir, "plain")
         model.save_pretrained(plain)
-        for name, raw in files_under(plain).items():
-            assert b"differential-privacy" not in raw, name
-        card_path = os.path.join(plain, "README.md")
-        assert not os.path.exists(card_path) or "differential-privacy" not in open(card_path).read()
-
+        assert_dp_card_of_step(open(os.path.join(plain, "README.md")).read(), trainer, steps=2)
+        assert "model.safetensors" in files_under(plain)
         released = os.path.join(tmp_dir, "released")
         trainer.save_model(released)
-        card = open(os.path.join(released, "README.md")).read()
-        assert_dp_card_of_step(card, trainer, steps=2)
-        assert format_bound(trainer.epsilon()) in card
+        assert_dp_card_of_step(open(os.path.join(released, "README.md")).read(), trainer, steps=2)
+        detach_dp_card(model)  # the plain methods back
+        model.save_pretrained(os.path.join(tmp_dir, "detached"))
+        assert not os.path.exists(os.path.join(tmp_dir, "detached", "README.md"))
 
-    def test_peft_save_pretrained_writes_no_dp_tag(self, tmp_dir):
+    def test_peft_save_pretrained_keeps_peft_card_and_adds_the_dp_section(self, tmp_dir):
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(gpt2(), LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
@@ -153,10 +168,40 @@ class TestTagOnlyWithTheSection:
         model.save_pretrained(adapter)  # what PEFT's example scripts do
         written = files_under(adapter)
         assert "adapter_model.safetensors" in written
-        assert all(b"differential-privacy" not in raw for raw in written.values())
-        trainer.save_model(os.path.join(tmp_dir, "dp"))
-        card = open(os.path.join(tmp_dir, "dp", "README.md")).read()
-        assert "differential-privacy" in front_matter_tags(card) and "## Differential privacy" in card
+        card = written["README.md"].decode()
+        assert_dp_card_of_step(card, trainer, steps=1)
+        assert "library_name: peft" in card  # PEFT's own card, kept
+        model.save_pretrained(tmp_dir)  # into output_dir: PEFT updates the card written at the end of train()
+        assert_dp_card_of_step(open(os.path.join(tmp_dir, "README.md")).read(), trainer, steps=1)
+
+    @pytest.mark.parametrize("peft", [False, True])
+    def test_push_to_hub_uploads_the_dp_card(self, tmp_dir, hub, peft):
+        model = gpt2()
+        if peft:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
+        trainer = DPTrainer(
+            model=model, args=dp_args(tmp_dir, max_steps=2), train_dataset=ToyDataset(40), data_collator=collate
+        )
+        trainer.train()
+        model.push_to_hub("dp-toy")
+        (upload,) = hub.uploads
+        assert_dp_card_of_step(upload["files"]["README.md"].decode(), trainer, steps=2)
+        weights = "adapter_model.safetensors" if peft else "model.safetensors"
+        assert weights in upload["files"]
+
+    def test_the_model_stays_a_plain_model(self, tmp_dir):
+        model = gpt2()
+        DPTrainer(
+            model=model, args=dp_args(tmp_dir, max_steps=1), train_dataset=ToyDataset(40), data_collator=collate
+        ).train()
+        clone = copy.deepcopy(model)
+        clone.save_pretrained(os.path.join(tmp_dir, "clone"))  # the copy's saves write the card too
+        assert "## Differential privacy" in open(os.path.join(tmp_dir, "clone", "README.md")).read()
+        torch.save(model, os.path.join(tmp_dir, "model.pt"))
+        loaded = torch.load(os.path.join(tmp_dir, "model.pt"), weights_only=False)
+        assert type(loaded) is type(model)
 
 
 # --------------------------------------------------------------------------------------------------- 2. every upload
@@ -412,27 +457,46 @@ def test_selection_on_held_out_data_trains_and_says_no_overlap(tmp_dir):
     assert any("eval_loss" in h for h in trainer.state.log_history)
 
 
-def test_eval_metrics_on_the_training_set_are_flagged_on_every_card(tmp_dir, hub):
-    """No selection: evaluating on the training set is allowed, and every written or pushed card says so."""
+def test_eval_metrics_on_the_training_set_are_withheld_from_every_file(tmp_dir, hub):
+    """No selection: evaluating on the training set is allowed; its metrics stay in memory (the logs, `evaluate()`),
+    and no written or pushed file holds them (cards, trainer_state.json, *_results.json); every card says so."""
     train = ToyDataset(40)
     args = eval_args(tmp_dir, push_to_hub=True, hub_model_id="dp-toy", hub_strategy="checkpoint")
     trainer = DPTrainer(model=gpt2(), args=args, train_dataset=train, eval_dataset=train, data_collator=collate)
     trainer.train()
+    metrics = trainer.evaluate()
+    assert "eval_loss" in metrics and any("eval_loss" in h for h in trainer.state.log_history)  # in memory
+    trainer.save_metrics("eval", metrics)
+    trainer.save_state()
     trainer.push_to_hub()
-    assert any("eval_loss" in h for h in trainer.state.log_history)
-    final = hub.uploads[-1]["files"]["README.md"].decode()
-    assert "eval_loss" in final.lower().replace(" ", "_") or "Validation Loss" in final  # the metrics are on the card
+    written = [
+        os.path.join(root, name) for root, _, names in os.walk(tmp_dir) for name in names if name.endswith(".json")
+    ]
+    written += [os.path.join(tmp_dir, "README.md")]
+    pushed = [raw.decode() for u in hub.uploads for name, raw in u["files"].items() if name.endswith((".json", ".md"))]
+    texts = [open(path).read() for path in written] + pushed
+    assert any("trainer_state.json" in path for path in written) and len(pushed) >= 3
+    for text in texts:
+        assert "eval_loss" not in text and "eval_runtime" not in text
     cards = [u["files"][name].decode() for u in hub.weight_uploads() for name in u["files"] if name == "README.md"]
     assert len(cards) == len(hub.weight_uploads()) >= 3
     for card in cards:
         text = " ".join(card.replace("> ", "").split())
-        assert (
-            "The evaluation data overlaps the training set: `eval_dataset` is the training set (the same object)."
-            in (text)
-        )
-        assert "Apart from the evaluation metrics (computed on training data" in text
-        assert "computed, without noise, on training data and are NOT covered by the guarantee" in text
+        assert "`eval_dataset` is the training set (the same object). Its metrics (`eval_*`)" in text
+        assert "were withheld from the released files" in text
+        assert "No un-noised statistic of the training data" in text
         assert "no overlap found" not in text
+
+
+def test_eval_metrics_on_the_training_set_are_published_on_request(tmp_dir, hub):
+    train = ToyDataset(40)
+    args = eval_args(tmp_dir, publish_training_metrics=True)
+    trainer = DPTrainer(model=gpt2(), args=args, train_dataset=train, eval_dataset=train, data_collator=collate)
+    trainer.train()
+    trainer.save_model()
+    text = " ".join(open(os.path.join(tmp_dir, "README.md")).read().replace("> ", "").split())
+    assert "computed, without noise, on training data and are NOT covered by the guarantee" in text
+    assert "`eval_loss`" in text  # listed among the published un-noised statistics
 
 
 def test_duplicates_below_the_threshold_are_recorded_with_the_selection(tmp_dir):

@@ -1,6 +1,6 @@
 """Vision and speech with the three-name change (issue 27 B): every ``*ForImageClassification`` (with
 ``config.problem_type``), BatchNorm models refused with what to use instead, ``*ForCTC`` (per-example CTC loss),
-audio classification, and wav2vec2's SpecAugment (numpy masks): exact, or refused where a re-run cannot replay them."""
+audio classification, and wav2vec2's SpecAugment (numpy masks), its mask embedding frozen or trainable: exact."""
 
 import copy
 
@@ -253,41 +253,36 @@ class TestSpeech:
         trainer = check_exact_update(model, speech_dataset(8, task="classification"), own_loss, tmp_dir)
         assert trainer.loss_type == "sequence_classification"
 
+    @pytest.mark.parametrize("embedding", ["frozen", "trainable"])
     @pytest.mark.parametrize("mode", ["bk", "bk-mixopt", "per-sample", "ghost"])
     @pytest.mark.parametrize("head", ["ctc", "classification"])
-    def test_spec_augment_with_a_frozen_mask_embedding_is_exact(self, float64, monkeypatch, mode, head):
-        """SpecAugment in training mode (the mask embedding written in place into ``feature_projection``'s output):
-        norms and clipped sums equal the float64 oracle that replays each example's recorded mask."""
+    def test_spec_augment_is_exact(self, float64, monkeypatch, mode, head, embedding):
+        """SpecAugment in training mode, the masks drawn by the model: norms and clipped sums equal the float64 oracle
+        that replays each example's recorded mask (the mask the forward pass applied). Frozen, the mask embedding
+        written in place into ``feature_projection``'s output is seen by the hook on its storage root; trainable, it
+        is book-kept at the masking call itself (``hf_dp.layers.spec_augment``: no re-run, no redraw)."""
         torch.manual_seed(0)
-        if head == "ctc":
-            model, loss_fn = Wav2Vec2ForCTC(spec_augment()).double(), per_example_ctc
-            data = speech_dataset(4)
-        else:
-            model = Wav2Vec2ForSequenceClassification(spec_augment(num_labels=3, classifier_proj_size=8)).double()
-            data = speech_dataset(4, task="classification")
-
-            def loss_fn(m, b):
-                outputs = m(input_values=b["input_values"], attention_mask=b["attention_mask"])
-                return per_example_loss("sequence_classification", outputs, b)
-
-        clip = 3.4 if head == "ctc" else 0.825  # about the median norm: some examples are clipped, some not
-        model.wav2vec2.masked_spec_embed.requires_grad_(False)
+        model, loss_fn, data = speech_case(head)
+        if embedding == "frozen":
+            model.wav2vec2.masked_spec_embed.requires_grad_(False)
         model.train()
         batch = collate([data[i] for i in range(4)])
         recorder = MaskRecorder(monkeypatch)
         reference = copy.deepcopy(model)
         named = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]
-        clipper = BookKeepingClipper(model, max_grad_norm=clip, mode=mode)
+        clipper = BookKeepingClipper(model, max_grad_norm=1.0, mode=mode)
         np.random.seed(0)
-        clipper.backward(loss_fn(model, batch))
+        loss = loss_fn(model, batch)
         assert len(recorder.masks) == 1 and recorder.masks[0].any(), "one forward pass, with masked frames"
         grads = []
         for i in range(4):
             recorder.row = recorder.masks[0][i : i + 1]
-            loss = loss_fn(reference, {k: v[i : i + 1] for k, v in batch.items()})
-            grads.append(torch.autograd.grad(loss.sum(), [p for _, p in named], allow_unused=True))
+            loss_i = loss_fn(reference, {k: v[i : i + 1] for k, v in batch.items()})
+            grads.append(torch.autograd.grad(loss_i.sum(), [p for _, p in named], allow_unused=True))
         grads = [[torch.zeros_like(p) if g is None else g for g, (_, p) in zip(gi, named, strict=True)] for gi in grads]
         norms = torch.stack([torch.sqrt(sum((g**2).sum() for g in gi)) for gi in grads])
+        clipper.max_grad_norm = clip = float(norms.median())  # some examples are clipped, some not
+        clipper.backward(loss)
         torch.testing.assert_close(clipper.per_example_norms, norms, rtol=1e-6, atol=0)
         coef = (clip / (norms + 1e-6)).clamp(max=1.0)
         assert (coef < 1).any() and (coef == 1).any(), norms
@@ -297,29 +292,21 @@ class TestSpeech:
             expected = sum(coef[i] * grads[i][k] for i in range(4))
             err = float((params[name].grad - expected).norm())
             assert err <= 1e-6 * float(expected.norm()) + 1e-12 * scale, f"{name}: {err:.3e}"
+        if embedding == "trainable":
+            assert dict(clipper.hooked_modules)["wav2vec2.hf_dp_spec_augment"] == "SpecAugmentRule"
+            assert float(params["wav2vec2.masked_spec_embed"].grad.norm()) > 0
         clipper.remove()
 
-    def test_spec_augment_with_a_trainable_mask_embedding_is_refused(self, tmp_dir):
-        """The mask embedding is wav2vec2's own parameter: the fallback would re-run the model per example, and
-        numpy would draw other masks. Refused at the first step, naming the fix; the weights are untouched."""
+    @pytest.mark.parametrize("embedding", ["frozen", "trainable"])
+    @pytest.mark.parametrize("head", ["ctc", "classification"])
+    def test_spec_augment_through_the_trainer_is_exact(self, float64, tmp_dir, monkeypatch, head, embedding):
+        """The three names, SpecAugment on (``run_speech_recognition_ctc.py``, ``run_audio_classification.py``), the
+        mask embedding frozen or trainable: one SGD step is the clipped mean of the gradients of the losses training
+        computed (each example with the mask its micro-batch drew)."""
         torch.manual_seed(0)
-        model = Wav2Vec2ForCTC(spec_augment())
-        before = copy.deepcopy(model.state_dict())
-        trainer = DPTrainer(
-            model=model, args=sgd_step_args(tmp_dir), train_dataset=speech_dataset(8), data_collator=collate
-        )
-        with pytest.raises(UnsupportedModuleError, match="numpy") as err:
-            trainer.train()
-        assert "masked_spec_embed" in str(err.value) and "mask_time_prob=0" in str(err.value)
-        assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
-
-    def test_spec_augment_through_the_trainer_is_exact(self, float64, tmp_dir, monkeypatch):
-        """The three names, SpecAugment on (frozen mask embedding): one SGD step is the clipped mean of the
-        gradients of the losses training computed (each example with the mask its micro-batch drew)."""
-        torch.manual_seed(0)
-        model = Wav2Vec2ForCTC(spec_augment()).double()
-        model.wav2vec2.masked_spec_embed.requires_grad_(False)
-        data = speech_dataset(8)
+        model, loss_fn, data = speech_case(head, n=8)
+        if embedding == "frozen":
+            model.wav2vec2.masked_spec_embed.requires_grad_(False)
         recorder = MaskRecorder(monkeypatch)
         order = []
 
@@ -334,12 +321,12 @@ class TestSpeech:
 
         reference = copy.deepcopy(model)
         named = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]
-        clip = 3.6
+        clip = TRAINER_CLIP[head]
         args = sgd_step_args(tmp_dir, per_sample_max_grad_norm=clip, per_device_train_batch_size=4)
         trainer = DPTrainer(model=model, args=args, train_dataset=data, data_collator=recording_collate)
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         trainer.train()
-        assert trainer.loss_type == "ctc"
+        assert trainer.loss_type == ("ctc" if head == "ctc" else "sequence_classification")
         # the training forward passes drew one mask per micro-batch (the last two); before them, the self-check's
         # training-mode passes (reference, engine) drew the first micro-batch's mask, from the same restored state
         assert len(recorder.masks) == 4
@@ -352,16 +339,35 @@ class TestSpeech:
         grads = []
         for j in range(8):
             recorder.row = masks[j]
-            loss = per_example_ctc(reference, {k: v.unsqueeze(0) for k, v in data[j].items()})
+            loss = loss_fn(reference, {k: v.unsqueeze(0) for k, v in data[j].items()})
             grads.append(torch.autograd.grad(loss.sum(), [p for _, p in named], allow_unused=True))
         grads = [[torch.zeros_like(p) if g is None else g for g, (_, p) in zip(gi, named, strict=True)] for gi in grads]
         norms = torch.stack([torch.sqrt(sum((g**2).sum() for g in gi)) for gi in grads])
-        assert (norms > clip).any() and (norms < clip).any()
+        assert (norms > clip).any() and (norms < clip).any(), norms
         coef = (clip / (norms + 1e-6)).clamp(max=1.0)
         after = dict(model.named_parameters())
         for k, (name, _) in enumerate(named):
             expected = sum(coef[i] * grads[i][k] for i in range(8)) / 8
             torch.testing.assert_close(after[name].detach() - before[name], -expected, rtol=1e-6, atol=1e-10)
+        if embedding == "trainable":
+            assert float(after["wav2vec2.masked_spec_embed"].detach().sub(before["wav2vec2.masked_spec_embed"]).norm())
+
+
+#: The clipping norm of the trainer test: between the smallest and the largest per-example norm of its step.
+TRAINER_CLIP = {"ctc": 3.6, "classification": 0.824}
+
+
+def speech_case(head, n=4):
+    """``(model, per-example loss, dataset)`` of a head with SpecAugment on (float64)."""
+    if head == "ctc":
+        return Wav2Vec2ForCTC(spec_augment()).double(), per_example_ctc, speech_dataset(n)
+    model = Wav2Vec2ForSequenceClassification(spec_augment(num_labels=3, classifier_proj_size=8)).double()
+
+    def loss_fn(m, b):
+        outputs = m(input_values=b["input_values"], attention_mask=b["attention_mask"])
+        return per_example_loss("sequence_classification", outputs, b)
+
+    return model, loss_fn, speech_dataset(n, task="classification")
 
 
 def test_xlnet_permutation_lm_is_not_inferred_as_causal_lm():

@@ -159,10 +159,18 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
         ],
     ),
     (
-        "`nn.EmbeddingBag` (2-D input, or `offsets` with `per_sample_weights`; sum, mean, max)",
+        "`nn.EmbeddingBag` (2-D input, or `offsets` with `per_sample_weights`; sum, mean, max), the flat ids and "
+        "offsets reaching the model as keywords (`offsets=`), or as its inputs in order (`model(ids, offsets)`, "
+        "`model((ids, offsets))`)",
         f"exact: {ALL}",
-        "closed form over the bags",
-        ["test_engine_layouts::test_embedding_bag_with_offsets"],
+        "closed form over the bags; the examples of a flat input read from its offsets (one bag an example), not "
+        "from its length",
+        [
+            "test_engine_layouts::test_embedding_bag_with_offsets",
+            "layers.test_embedding_bag::test_root_embedding_bag_with_offsets",
+            "layers.test_embedding_bag::test_inner_embedding_bag_fed_by_the_root_inputs",
+            "layers.test_embedding_bag::test_two_features_of_a_recommendation_model",
+        ],
     ),
     (
         "`nn.MultiheadAttention`, `nn.RNN/GRU/LSTM`, grouped or padded convolutions, `nn.Conv3d`, `nn.GroupNorm`, "

@@ -141,6 +141,19 @@ def check_exact_update(model, dataset, oracle_loss, tmp_dir, data_collator=None,
     return trainer
 
 
+class ListDataset(torch.utils.data.Dataset):
+    """A map-style dataset over a list of example dicts."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
 class IndexedDataset(torch.utils.data.Dataset):
     """ToyDataset items plus their index, so that a collator can record which examples each batch used."""
 

@@ -11,7 +11,7 @@ import helpers.trainer as trainer_helpers
 import pytest
 import torch
 from helpers.oracle import check_clipper
-from helpers.trainer import check_exact_update, collate, sgd_step_args
+from helpers.trainer import ListDataset, check_exact_update, collate, sgd_step_args
 from opacus.validators import ModuleValidator
 from torch import nn
 from torch.nn.functional import cross_entropy, interpolate
@@ -90,17 +90,6 @@ def batches(name, shapes=(4, 3)):
         labels = segmentation_labels(b, g) if name == "segformer" else torch.randint(0, 3, (b,), generator=g)
         out.append({"pixel_values": torch.randn(b, 3, IMAGE, IMAGE, generator=g), "labels": labels})
     return out
-
-
-class ListDataset(torch.utils.data.Dataset):
-    def __init__(self, items):
-        self.items = items
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
 
 
 def dataset(name, n=8):

@@ -10,6 +10,7 @@ import torch
 from helpers.models import VOCAB, bart, gpt2, t5
 from helpers.trainer import (
     IndexedDataset,
+    ListDataset,
     RecordingCollate,
     ToyDataset,
     causal_per_example_loss,
@@ -50,17 +51,6 @@ def tiny_bert(cls, **kw):
         **kw,
     )
     return cls(cfg)
-
-
-class ListDataset(torch.utils.data.Dataset):
-    def __init__(self, items):
-        self.items = items
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
 
 
 def qa_dataset(n, seed=0):

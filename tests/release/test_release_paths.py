@@ -191,6 +191,40 @@ class TestTheModelsOwnSaves:
         weights = "adapter_model.safetensors" if peft else "model.safetensors"
         assert weights in upload["files"]
 
+    def test_a_model_saved_after_an_interrupted_train_states_the_steps_that_ran(self, tmp_dir):
+        """train() stopped by an exception after some noisy steps: the card in output_dir and on the model's own save
+        covers the steps that ran (counted by the optimizer itself, before each update), not the steps planned."""
+        from transformers import TrainerCallback
+
+        class Interrupt(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == 3:
+                    raise KeyboardInterrupt
+
+        model = gpt2()
+        ran = []
+
+        class CountingSGD(torch.optim.SGD):
+            def step(self, closure=None):
+                ran.append(1)
+                return super().step(closure)
+
+        trainer = DPTrainer(
+            model=model,
+            args=dp_args(tmp_dir, max_steps=8),
+            train_dataset=ToyDataset(40),
+            data_collator=collate,
+            callbacks=[Interrupt()],
+            optimizers=(CountingSGD(model.parameters(), lr=0.1), None),
+        )
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+        assert len(ran) == 3
+        assert_dp_card_of_step(open(os.path.join(tmp_dir, "README.md")).read(), trainer, steps=len(ran))
+        saved = os.path.join(tmp_dir, "saved")
+        model.save_pretrained(saved)
+        assert_dp_card_of_step(open(os.path.join(saved, "README.md")).read(), trainer, steps=len(ran))
+
     def test_the_model_stays_a_plain_model(self, tmp_dir):
         model = gpt2()
         DPTrainer(

@@ -28,6 +28,8 @@ from .version import __version__ as __version__
 _LAZY_NAMES = {
     "DPDPOConfig": "hf_dp.trainers.dpo_config",
     "DPDPOTrainer": "hf_dp.trainers.dpo_trainer",
+    "DPRewardConfig": "hf_dp.trainers.reward_config",
+    "DPRewardTrainer": "hf_dp.trainers.reward_trainer",
     "DPSFTConfig": "hf_dp.trainers.sft_config",
     "DPSFTTrainer": "hf_dp.trainers.sft_trainer",
 }

@@ -213,6 +213,16 @@ PUBLIC_NAMES = [
     "register_rule",
     "replace_batchnorm",
 ]
+#: The TRL trainers: public names of ``hf_dp`` served on first use (``_LAZY_NAMES``), not in ``__all__`` (which
+#: ``import hf_dp`` resolves without TRL), and all of ``hf_dp.trl``.
+TRL_PUBLIC_NAMES = [
+    "DPDPOConfig",
+    "DPDPOTrainer",
+    "DPRewardConfig",
+    "DPRewardTrainer",
+    "DPSFTConfig",
+    "DPSFTTrainer",
+]
 
 
 def test_public_names_are_where_users_import_them():
@@ -255,8 +265,19 @@ def test_importing_a_new_path_warns_nothing():
         importlib.import_module("hf_dp.sampling.poisson")
 
 
-@pytest.mark.parametrize("name", ["DPSFTTrainer", "DPDPOConfig"])
+@pytest.mark.parametrize("name", TRL_PUBLIC_NAMES)
 def test_trl_names_are_served_lazily(name):
     import hf_dp
 
     assert name in dir(hf_dp)
+    assert sorted(hf_dp._LAZY_NAMES) == sorted(TRL_PUBLIC_NAMES)
+
+
+def test_trl_module_serves_every_trl_name():
+    pytest.importorskip("trl")
+    import hf_dp
+    import hf_dp.trl
+
+    assert sorted(hf_dp.trl.__all__) == sorted(TRL_PUBLIC_NAMES)
+    for name in TRL_PUBLIC_NAMES:
+        assert getattr(hf_dp.trl, name) is getattr(hf_dp, name)

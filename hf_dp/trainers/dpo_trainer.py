@@ -41,7 +41,7 @@ from ..sampling.collators import is_empty_batch
 from ..sampling.privacy_unit import UNIT_KEY
 from .dpo_config import DPDPOConfig, check_dpo_fields
 from .mixin import DPTrainerMixin
-from .trl_common import UNIT_ROW, DPOTrainer, prepare_trl_init, quiet_model_init_kwargs_warning
+from .trl_common import DPOTrainer, pair_card_section, prepare_trl_init, quiet_model_init_kwargs_warning
 
 logger = logging.getLogger("hf_dp")
 
@@ -50,11 +50,6 @@ __all__ = ["DPDPOTrainer"]
 #: The batch keys TRL's preference collator returns with ``2B`` rows (chosen rows first, then rejected rows).
 _ROW_KEYS = ("input_ids", "attention_mask", "completion_mask")
 _REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
-
-_PAIR_UNIT_ROW = (
-    "| Unit of privacy | one preference pair (a prompt with its chosen and rejected completions: one row of the "
-    "training set) |"
-)
 
 
 class _DPOTrainerInit(DPOTrainer):
@@ -380,8 +375,7 @@ class DPDPOTrainer(DPTrainerMixin, _DPOTrainerInit):
     # ------------------------------------------------------------------ card
     def dp_model_card_section(self, epsilon_plot: str | None = None) -> str:
         """The DP section, whose unit line says the unit is one preference pair."""
-        section = super().dp_model_card_section(epsilon_plot=epsilon_plot)
-        return section.replace(UNIT_ROW, _PAIR_UNIT_ROW)
+        return pair_card_section(super().dp_model_card_section(epsilon_plot=epsilon_plot))
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -26,8 +26,12 @@ from .version import __version__ as __version__
 #: Public names imported on first use, from the module that defines them (trl's ``_import_structure``): the TRL
 #: trainers, so that ``import hf_dp`` never imports TRL.
 _LAZY_NAMES = {
+    "DPCPOConfig": "hf_dp.trainers.cpo_config",
+    "DPCPOTrainer": "hf_dp.trainers.cpo_trainer",
     "DPDPOConfig": "hf_dp.trainers.dpo_config",
     "DPDPOTrainer": "hf_dp.trainers.dpo_trainer",
+    "DPORPOConfig": "hf_dp.trainers.orpo_config",
+    "DPORPOTrainer": "hf_dp.trainers.orpo_trainer",
     "DPRewardConfig": "hf_dp.trainers.reward_config",
     "DPRewardTrainer": "hf_dp.trainers.reward_trainer",
     "DPSFTConfig": "hf_dp.trainers.sft_config",

@@ -216,8 +216,12 @@ PUBLIC_NAMES = [
 #: The TRL trainers: public names of ``hf_dp`` served on first use (``_LAZY_NAMES``), not in ``__all__`` (which
 #: ``import hf_dp`` resolves without TRL), and all of ``hf_dp.trl``.
 TRL_PUBLIC_NAMES = [
+    "DPCPOConfig",
+    "DPCPOTrainer",
     "DPDPOConfig",
     "DPDPOTrainer",
+    "DPORPOConfig",
+    "DPORPOTrainer",
     "DPRewardConfig",
     "DPRewardTrainer",
     "DPSFTConfig",

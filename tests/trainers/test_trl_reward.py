@@ -81,14 +81,23 @@ def check_reward_exact_update(trainer, atol=1e-10):
     return check_dpo_exact_update(trainer, None, loss=lambda row: pair_loss(trainer.model, row, center), atol=atol)
 
 
-def check_stats_not_written(trainer, stats, output_dir):
-    """TRL's statistics of the training batches: not logged by a DP step, and, logged anyway (as TRL's ``log`` would
-    after its own ``compute_loss``), kept out of the written ``trainer_state.json`` by hf_dp's release filter."""
+def store_reward_stats(trainer, stats):
+    """TRL's own path for its batch statistics: ``_metrics['train']``, averaged into the next ``log``."""
+    trainer.model.train()
+    for key in stats:
+        trainer._metrics["train"][key].append(1.0)
+    trainer.log({"loss": 0.5})
+
+
+def check_stats_not_written(trainer, stats, output_dir, inject=store_reward_stats):
+    """TRL's statistics of the training batches: not logged by a DP step, and, logged anyway through TRL's own path
+    (``inject``: as TRL's ``log`` would after its own ``compute_loss``), kept out of the written
+    ``trainer_state.json`` by hf_dp's release filter."""
     train_logs = [h for h in trainer.state.log_history if "loss" in h]
     assert train_logs and all("epsilon" in h for h in train_logs)
     assert not any(key in h for h in train_logs for key in stats)
     assert not any(is_released_log_key(key) for key in stats)
-    trainer.log({"loss": 0.5, **{key: 1.0 for key in stats}})  # a statistic TRL computed from the batch
+    inject(trainer, stats)  # statistics TRL computed from a training batch
     assert all(key in trainer.state.log_history[-1] for key in stats)  # in memory (console, reporters): the user's
     trainer.save_state()
     with open(os.path.join(output_dir, "trainer_state.json")) as f:

@@ -132,11 +132,19 @@ def _check_poisson_sampling(args) -> None:
             "random sizes by design. Set `dataloader_drop_last=False` (or `poisson_sampling=False`)."
         )
     if args.train_sampling_strategy in ("sequential", "batch_rebalance"):
+        kto = any(klass.__name__ == "KTOConfig" for klass in type(args).__mro__)
         raise ValueError(
             f"`train_sampling_strategy={args.train_sampling_strategy!r}` is not supported with Poisson "
             "sampling, because it chooses which examples form a batch and so breaks the sampling the "
             "accountant assumes. Use 'random', or 'group_by_length' (which only orders each Poisson batch by "
             "length before cutting it into micro-batches)."
+            + (
+                " TRL's KTOConfig sets 'sequential' for KTO's KL term, an estimate over the batch that couples the "
+                "examples: KTO cannot be trained with per-example clipping (DPTrainerMixin refuses KTOTrainer); use "
+                "DPDPOTrainer on preference pairs."
+                if kto
+                else ""
+            )
         )
 
 

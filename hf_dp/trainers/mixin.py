@@ -43,6 +43,7 @@ from ..step.dp_step import DPStep, DPStepSettings
 from ..step.loss_scale import NoisedLossScaling
 from ..step.noise import NoiseSource
 from .composition import InitArguments, next_init
+from .coupled import check_trainer_class
 from .record_hooks import PrivacyRecordHooks
 from .release_hooks import ReleaseHooks
 from .sampling_hooks import SamplingHooks
@@ -64,7 +65,9 @@ class DPTrainerMixin(SamplingHooks, PrivacyRecordHooks, ReleaseHooks):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """The arguments of the trainer class this mixin sits on, in its order (any ``Trainer`` subclass: unknown
         arguments pass through, :mod:`hf_dp.trainers.composition`); ``args`` must be DP arguments, ``model_init`` is
-        refused, a :class:`~hf_dp.DPCallback` is added to ``callbacks``."""
+        refused, a :class:`~hf_dp.DPCallback` is added to ``callbacks``; a TRL trainer whose loss couples examples
+        (KTO, GRPO, RLOO) is refused (:mod:`.coupled`)."""
+        check_trainer_class(type(self))
         optimizer_cls_and_kwargs = kwargs.pop("optimizer_cls_and_kwargs", None)  # set below: not every trainer takes it
         model_init = kwargs.pop("model_init", None)
         call = InitArguments(next_init(type(self), DPTrainerMixin), args, kwargs)

@@ -1,5 +1,5 @@
-"""What examples/sft.py and examples/dpo.py share beyond TRL's scripts: a local data file, the model-loading keywords
-as TRL's scripts set them, and the DP report written next to the model."""
+"""What examples/sft.py, examples/dpo.py and examples/trl_reward.py share beyond TRL's scripts: a local data file, the
+model-loading keywords as TRL's scripts set them, and the DP report written next to the model."""
 
 from __future__ import annotations
 

@@ -232,6 +232,20 @@ class TestORPORefusals:
                 processing_class=tokenizer(),
             )
 
+    def test_pairs_with_no_completion_token_are_refused_before_training(self, tmp_dir):
+        """Truncation to `max_length` that leaves every completion empty: no average log-probability (TRL's loss is
+        NaN), nothing to learn: refused before the first step."""
+        trainer = DPORPOTrainer(
+            model=gpt2(),
+            args=orpo_args(tmp_dir, max_length=1),
+            train_dataset=preference_data(),
+            processing_class=tokenizer(),
+        )
+        assert all(label == -100 for row in trainer.train_dataset for label in row["chosen_labels"])
+        with pytest.raises(ValueError, match="target to learn"):
+            trainer.train()
+        assert trainer.dp_callback.steps == 0
+
     def test_moe_auxiliary_loss_is_refused(self, tmp_dir):
         """TRL's ORPO adds the router's load-balancing loss (a batch statistic) when the model's config turns the
         router logits on."""

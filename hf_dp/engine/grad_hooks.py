@@ -12,9 +12,11 @@ so it is the one applied, always (no linearity is assumed anywhere).
   masks its embedding's): the engine instantiates the parameter's per-example gradients (summed over its uses in the
   pass, as autograd hands the hook the whole gradient of the leaf), in the parameter's dtype, and runs the hooks in
   registration order on each example's gradient alone (:func:`apply_per_example`: ``torch.func.vmap``, or a loop
-  where vmap cannot run the hook), before the norms are taken. The hook never also runs on the sum: in the
-  one-backward modes the parameters are out of autograd; ``ghost`` mode replaces autograd's sum of a hooked parameter
-  by the engine's ``sum_i c_i h(g_i)``. With a loss scale ``w`` the hook sees the scaled gradients, as under autograd.
+  where vmap cannot run the hook), before the norms are taken. The hook is never applied twice: in the one-backward
+  modes the parameters are out of autograd, so autograd never calls it; in ``ghost`` mode autograd also calls it on
+  the batch's sums in its two backward passes, and the engine discards those results (the first pass's only checks
+  the rules once per plan, against ``h(sum_i g_i)``; the second's is replaced by ``sum_i c_i h(g_i)``). With a loss
+  scale ``w`` the hook sees the scaled gradients, as under autograd.
 * Refused when the clipper is built and at every new plan (:class:`UnsupportedModuleError`, naming the parameter or
   module and the hook): a post-accumulate-grad hook (it runs after autograd accumulates ``p.grad``, which book-keeping
   never does; one that steps an optimizer or changes ``p.grad`` would act on an un-clipped, un-noised sum), and a

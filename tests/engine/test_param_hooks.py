@@ -218,6 +218,42 @@ def test_layer_wise_clipping_with_hooks():
     clipper.remove()
 
 
+def test_hooks_that_write_in_place_or_only_look():
+    """A hook that scales its argument in place and returns ``None``, and one that only looks at it, as autograd runs
+    them (the looking one is called on every example's gradient)."""
+    torch.manual_seed(0)
+    model = TwoLayers().double()
+    seen = []
+
+    def triple_in_place(g):
+        g.mul_(3)
+
+    model.head.weight.register_hook(triple_in_place)
+    model.first.bias.register_hook(lambda g: seen.append(1))
+    check_hooked(model, plain_batches(), plain_loss, {"head.weight": lambda g: 3 * g}, "bk-mixopt")
+    assert seen, "the looking hook was called"
+
+
+def test_hooks_applied_to_each_privacy_unit():
+    """With ``units`` the clipped quantity is a unit's gradient ``h(sum_{i in u} g_i)``: the hook runs on the unit's
+    sum (what autograd gives for that user's rows alone), not on each row."""
+    model, transforms = plain_model_and_transforms()
+    batch, units = plain_batches()[0], [0, 0, 1, 2, 2]
+    names, grads = oracle_per_example(copy.deepcopy(model), batch, plain_loss)
+    sums = [[sum(grads[i][k] for i in range(len(units)) if units[i] == u) for k in range(len(names))] for u in range(3)]
+    sums = [[transforms[n](g) if n in transforms else g for n, g in zip(names, gu, strict=True)] for gu in sums]
+    norms = torch.stack([torch.sqrt(sum((g**2).sum() for g in gu)) for gu in sums])
+    c = float(norms.median())
+    clipper = BookKeepingClipper(model, max_grad_norm=c, mode="bk")
+    clipper.backward(plain_loss(model, batch), units=torch.tensor(units))
+    torch.testing.assert_close(clipper.per_example_norms, norms, rtol=1e-10, atol=0)
+    coef = clip_factors(norms, c)
+    for k, name in enumerate(names):
+        expected = sum(coef[u] * sums[u][k] for u in range(3))
+        assert_rel_close(model.get_parameter(name).grad, expected, 1e-10, name)
+    clipper.remove()
+
+
 def test_hook_registered_after_construction_is_applied():
     torch.manual_seed(0)
     model = TwoLayers().double()

@@ -45,6 +45,7 @@ class BackwardBookkeeping:
         p = self._checked_pass(per_example_loss, loss_scale)
         self._set_units(p, units, per_example_loss.device)
         p.keep_all = keep_all or (self.mode == "ghost" and not self._sum_checked)
+        p.hooked = self._current_grad_hooks()  # applied per example before the norms (grad_hooks)
         self._start_groups(p, per_example_loss.device, loss_scale, keep_all)
         self._check_unwritten(p)
         if p.regions and not keep_all and per_example_loss.requires_grad:
@@ -189,7 +190,7 @@ class BackwardBookkeeping:
         use.captured = None  # the factors keep what the clipped sum needs; drop the rest
         group_of = self._group_of
         for q, g in grads.items():
-            if p.use_counts.get(q, 0) == 1 and not p.keep_all:
+            if p.use_counts.get(q, 0) == 1 and not p.keep_all and q not in p.hooked:
                 # added to the group's norm once, when it is clipped (one stack-sum instead of an add per parameter;
                 # the instantiated ones side by side, one square-sum for all of them)
                 if isinstance(g, InstantiatedGrad):
@@ -347,8 +348,8 @@ class BackwardBookkeeping:
         floor = (1e-6 if self._norm_dtype == torch.float64 else 1e-3) * total
         for q in self._trainable:
             expected = q.grad
-            got = None
-            for g in pieces.get(q, []):
+            got = p.hook_sums.get(q)  # a hooked parameter: autograd ran its hooks on the sum
+            for g in pieces.get(q, []) if got is None else ():
                 part = weighted_sum(g, ones, torch.float64)
                 got = part if got is None else got + part
             if expected is None and got is None:
@@ -364,7 +365,7 @@ class BackwardBookkeeping:
                     "from the model's outputs only, and checkpoint with `torch.utils.checkpoint`."
                 )
         for q in list(pieces):
-            if p.use_counts.get(q, 0) == 1:
+            if p.use_counts.get(q, 0) == 1 and q not in p.hooked:  # a hooked one's clipped sum is the engine's
                 pieces.pop(q)
 
     # ------------------------------------------------------------------ self-check support
@@ -393,7 +394,9 @@ class BackwardBookkeeping:
             out = {}
             with torch.no_grad():
                 for q in list(p.pieces):
-                    out[q] = self._merged_norm_sq(p.pieces.pop(q))[0].sqrt()
+                    parts = p.pieces.pop(q)
+                    parts = [self._hooked_grad(p, q, parts)] if q in p.hooked else parts
+                    out[q] = self._merged_norm_sq(parts)[0].sqrt()
             return out
         finally:
             self._force_ghost_diff = False

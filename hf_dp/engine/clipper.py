@@ -32,6 +32,7 @@ from .capture import CallCapture
 from .clipping import GroupClipping
 from .coverage import plan_coverage, trainable_parameters
 from .forward import ForwardHooks
+from .grad_hooks import GradHooks
 from .planner import Plan
 from .policy import ClippingPolicy, ParameterGroups
 from .proof import PlanProof
@@ -53,7 +54,9 @@ CLIPPING_MODES: dict[str, str] = {
 }
 
 
-class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, CheckpointRegions, BackwardBookkeeping, GroupClipping):
+class BookKeepingClipper(
+    ForwardHooks, PlanProof, CallCapture, CheckpointRegions, BackwardBookkeeping, GroupClipping, GradHooks
+):
     """Per-example gradient clipping for any ``nn.Module``, by book-keeping, in one backward pass.
 
     Args:
@@ -125,6 +128,7 @@ class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, CheckpointRegions
         self._used_of: dict[int, nn.Parameter] = {id(twin): p for p, twin in self._registered.items()}
         self._original_requires_grad = {p: p.requires_grad for p in model.parameters()}
         self._original_requires_grad.update({twin: twin.requires_grad for twin in self._registered.values()})
+        self._check_grad_hooks()  # hooks the engine cannot apply per example are refused (grad_hooks)
         # SpecAugment's masking runs as a child's call while the clipper is installed (undone by `remove()`)
         self._spec_augment = spec_augment.install(model)
         try:

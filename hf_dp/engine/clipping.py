@@ -70,7 +70,10 @@ class GroupClipping:
             parts = p.pieces.pop(q, None)
             if not parts:
                 continue
-            if p.use_counts.get(q, 0) > 1 or p.keep_all:
+            if q in p.hooked:  # h(g_i) of every example, before its norm is taken (grad_hooks)
+                parts = [self._hooked_grad(p, q, parts)]
+                p.norm_sq[g].add_(norm_sq(parts[0], self._norm_dtype))
+            elif p.use_counts.get(q, 0) > 1 or p.keep_all:
                 extra, parts = self._merged_norm_sq(parts)
                 p.norm_sq[g].add_(extra)  # in place on the row (`+=` on an index also copies it back)
             pieces[q] = parts
@@ -194,6 +197,12 @@ class GroupClipping:
             self.per_example_norms = norms.detach()
             self.per_group_norms = p.norm_sq.sqrt() / scale
             self._check_ghost_sums(p, pieces)
+            keep = torch.isfinite(norms)  # hooked parameters: sum_i c_i h(g_i), never autograd's h(sum_i c_i g_i)
+            hooked = {
+                q: weighted_sum(parts[0], coef, self._registered.get(q, q).dtype, keep)
+                for q, parts in pieces.items()
+                if q in p.hooked
+            }
             del pieces
         if per_example_loss is None:
             raise ValueError("`ghost` mode needs the per-example loss again for its second backward pass.")
@@ -203,7 +212,7 @@ class GroupClipping:
         with self._inert():
             (per_example_loss * weights.to(per_example_loss.dtype)).sum().backward()
         for q in self._trainable:
-            total = q.grad.detach() if q.grad is not None else None
+            total = hooked.get(q, q.grad.detach() if q.grad is not None else None)
             q.grad = p.grads_before[q]
             self._deliver(p, q, total)
         return coef.detach()

@@ -136,6 +136,7 @@ class ForwardHooks:
         self._root_call = (args, kwargs, batch)  # for proving layouts of a path first taken in this pass
         names = None  # module and parameter names, for messages (read once for the plan and its verification)
         if batch.size > 0 and self._plan is None:
+            self._check_grad_hooks()  # a hook added since the last plan (grad_hooks)
             names = self._names()
             self._install(self._make_plan(args, kwargs, batch, names=names))
             self._pass = None

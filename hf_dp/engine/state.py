@@ -85,6 +85,8 @@ class Pass:
     grads_before: dict | None = None  # ghost mode: p.grad before the first backward; bk: (id, version) of p.grad
     complete: bool = False  # the forward pass returned
     units: Any = None  # grads.Units: clip per privacy unit (several examples); None: per example
+    hooked: dict = field(default_factory=dict)  # parameter -> its tensor hooks, applied per example (grad_hooks)
+    hook_sums: dict = field(default_factory=dict)  # ghost mode's check: the hooks run on the sum, as autograd does
 
     @property
     def num_units(self) -> int:

@@ -16,10 +16,11 @@ def test_ghost_differentiation_computes_no_parameter_gradient_in_autograd():
     torch.manual_seed(0)
     model = gpt2()
     clipper = BookKeepingClipper(model, max_grad_norm=1.0, mode="bk")
+    loss = causal_loss(model, causal_batches()[0])
+    # spies registered after the forward pass (the engine refuses post-accumulate-grad hooks when it plans)
     accumulated = []
     handles = [p.register_post_accumulate_grad_hook(lambda p: accumulated.append(p)) for p in model.parameters()]
-    batch = causal_batches()[0]
-    clipper.backward(causal_loss(model, batch))
+    clipper.backward(loss)
     for h in handles:
         h.remove()
     assert accumulated == []  # autograd never accumulated a (non-private) parameter gradient

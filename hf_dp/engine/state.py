@@ -85,11 +85,17 @@ class Pass:
     grads_before: dict | None = None  # ghost mode: p.grad before the first backward; bk: (id, version) of p.grad
     complete: bool = False  # the forward pass returned
     units: Any = None  # grads.Units: clip per privacy unit (several examples); None: per example
+    segments: Any = None  # packed.Segments: the examples are the sequences packed into the rows; None: the rows
+
+    @property
+    def examples(self) -> int:
+        """The number of examples: the rows of the batch, or the sequences packed into them."""
+        return self.size if self.segments is None else self.segments.count
 
     @property
     def num_units(self) -> int:
         """The number of clipped units: examples, or the privacy units (users) they belong to."""
-        return self.size if self.units is None else self.units.count
+        return self.examples if self.units is None else self.units.count
 
     @property
     def size(self) -> int:

@@ -202,7 +202,8 @@ class PackedSequences:
 
     def _start_packed(self, kwargs: dict, rows: int) -> None:
         """At the start of a forward pass with gradients: cut the rows into sequences (refused: a call that cannot
-        be cut, a plan with a module that is not token-wise, a second forward pass before ``prepare()``)."""
+        be cut, a plan with a module that is not token-wise). A forward pass that no ``prepare()`` consumed is
+        dropped (its sequences are not this one's)."""
         p = self._pass
         if p.uses:  # a forward pass no `prepare()` consumed: its sequences are not this one's
             logger.warning("hf_dp: a packed forward pass follows one that no `prepare()` consumed; it is dropped.")

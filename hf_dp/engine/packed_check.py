@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from ..layers import UnsupportedModuleError
 from .batch import root_batch
 from .packed import Segments, segments_of
 from .probe import frozen_rng
@@ -78,7 +79,11 @@ def packed_self_check(
     model: nn.Module = clipper.model
     trainable = [p for p in model.parameters() if p.requires_grad]
     position_ids = inputs.get("position_ids")
-    if not trainable or not isinstance(position_ids, Tensor):
+    if not isinstance(position_ids, Tensor):
+        raise UnsupportedModuleError(
+            "Packed self-check: the micro-batch has no `position_ids` tensor, so its sequences cannot be told apart."
+        )
+    if not trainable:
         return 0.0
     names = {p: n for n, p in model.named_parameters()}
     segments = segments_of(position_ids, root_batch(model, (), inputs).size)

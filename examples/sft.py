@@ -10,8 +10,9 @@ flags are hf_dp's (``--target_epsilon``, ``--per_sample_max_grad_norm``, ...). N
         --per_device_train_batch_size 8 --gradient_accumulation_steps 32 --num_train_epochs 3 \
         --target_epsilon 8 --per_sample_max_grad_norm 1.0 --output_dir Qwen2-0.5B-DP-SFT
 
-Packing: ``--packing --packing_strategy wrapped`` (each packed row of ``--max_length`` tokens is then the unit of
-privacy); TRL's default packing strategy (``bfd``, padding-free) is refused with what to set.
+Packing: ``--packing`` (TRL's default strategy, ``bfd``, padding-free: each sequence is the unit of privacy, sampled
+and clipped on its own inside the packed rows), or ``--packing --packing_strategy wrapped`` (each packed row of
+``--max_length`` tokens is then the unit of privacy); ``bfd_split`` is refused with what to set.
 """
 
 from __future__ import annotations

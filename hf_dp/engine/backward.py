@@ -26,6 +26,7 @@ from ..layers.grads import (
     weighted_sum,
 )
 from .checkpointing import backward_keeping_grads, graph_leaves, own_saved_tensors, rerun_without_reentrant
+from .packed import crossing_error, packed_grads, support_examples
 from .rows import closed_form_grads, foreign_rows
 from .state import Pass, Use, grad_stamp
 
@@ -50,7 +51,7 @@ class BackwardBookkeeping:
         self._check_unwritten(p)
         if p.regions and not keep_all and per_example_loss.requires_grad:
             self._check_graph_for_bypass(per_example_loss)
-        if not self._support_checked and p.size > 1 and p.uses:
+        if not self._support_checked and p.examples > 1 and p.uses:
             self._support_check(per_example_loss)
             self._support_checked = True
         if not keep_all and p.size > 0:
@@ -75,11 +76,12 @@ class BackwardBookkeeping:
                 "`prepare()` needs a forward pass of the model with gradients enabled since the last `finish()` "
                 "(the loss must come from that forward pass)."
             )
-        if per_example_loss.shape[0] != p.size:
+        if per_example_loss.shape[0] != p.examples:
+            where = "sequences in its packed rows" if p.segments is not None else "examples (dimension 0 of its inputs)"
             raise ValueError(
                 f"`per_example_loss` has {per_example_loss.shape[0]} entries but the model's forward pass had "
-                f"{p.size} examples (dimension 0 of its inputs): hf_dp needs one loss per example, with the examples "
-                "along dimension 0 of every input."
+                f"{p.examples} {where}: hf_dp needs one loss per example, with the examples along dimension 0 of "
+                "every input (or, with `packed_sequences=True`, one loss per sequence of the rows)."
             )
         if self.mode == "ghost" and p.size > 0 and not per_example_loss.requires_grad:
             raise ValueError("`per_example_loss` does not require grad.")
@@ -89,6 +91,8 @@ class BackwardBookkeeping:
     def _set_units(p: Pass, units, device: torch.device) -> None:
         """The privacy units of the pass's examples (``None``: one unit per example)."""
         p.units = None
+        if units is not None and p.segments is not None:
+            raise ValueError("`units` with packed sequences: privacy units over the sequences are not supported.")
         if units is not None:
             if len(units) != p.size:
                 raise ValueError(f"`units` has {len(units)} entries for {p.size} examples: give one unit per example.")
@@ -223,6 +227,9 @@ class BackwardBookkeeping:
                             "keeps state across calls. Freeze that module's parameters, or register a closed-form "
                             "rule for it (`hf_dp.layers.register_rule`). Nothing was added to `p.grad`."
                         ) from err
+            elif self._pass.segments is not None:  # the examples are the sequences of the rows
+                segments = self._pass.segments
+                grads = packed_grads(entry, use.captured, grad, use.layout.outputs[0], b, segments, trainable)
             else:
                 grads = closed_form_grads(
                     entry.rule, entry.module, use.captured, grad, use.layout.outputs[0], b, trainable
@@ -256,21 +263,25 @@ class BackwardBookkeeping:
                 continue
             # a device flag, read with all the others after the check's backward passes (one host read, not one
             # per hooked output)
-            p.support_flags.append((use.entry.name, foreign_rows(g, lay, p.size, p.support_example)))
+            if p.segments is None:
+                flag = foreign_rows(g, lay, p.size, p.support_example)
+            else:
+                flag = p.segments.foreign(g, lay, p.size, p.support_example, use.entry)
+            p.support_flags.append((use.entry.name, flag))
 
     def _support_check(self, loss: Tensor) -> None:
         """Loss ``j`` must depend on example ``j``'s rows alone in every hooked output (checked for the first and
         the last example, once per plan): a loss that couples examples, or root inputs that are not batch-first,
         fail here instead of giving wrong norms."""
         p = self._pass
-        if p.size < 2 or not loss.requires_grad or not p.uses:
+        if p.examples < 2 or not loss.requires_grad or not p.uses:
             return
         self._check_own_passes("check that each loss depends on its own example")
         inputs = list(self._origins.values()) + [q for q in self._trainable if q.requires_grad]
         p.phase = "support"
         stamps = {q: grad_stamp(q) for q in self._trainable}
         try:
-            for j in sorted({0, p.size - 1}):
+            for j in support_examples(p):
                 p.support_example = j
                 if any(r.reentrant for r in p.regions.values()):  # reentrant checkpointing refuses autograd.grad
                     backward_keeping_grads(loss[j], retain_graph=True)
@@ -290,6 +301,8 @@ class BackwardBookkeeping:
             p.support_flags = []
         if p.support_failures:
             modules = sorted(set(p.support_failures))
+            if p.segments is not None:
+                raise crossing_error(modules)
             raise UnsupportedModuleError(
                 f"The per-example loss of one example depends on the rows of other examples in the outputs of "
                 f"{modules[:3]}{' ...' if len(modules) > 3 else ''}: either the loss couples examples (a batch mean "

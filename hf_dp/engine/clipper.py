@@ -33,6 +33,8 @@ from .clipping import GroupClipping
 from .coverage import plan_coverage, trainable_parameters
 from .forward import ForwardHooks
 from .grad_hooks import GradHooks
+from .packed import PackedSequences
+from .packed_check import packed_self_check
 from .planner import Plan
 from .policy import ClippingPolicy, ParameterGroups
 from .proof import PlanProof
@@ -55,7 +57,14 @@ CLIPPING_MODES: dict[str, str] = {
 
 
 class BookKeepingClipper(
-    ForwardHooks, PlanProof, CallCapture, CheckpointRegions, BackwardBookkeeping, GroupClipping, GradHooks
+    ForwardHooks,
+    PlanProof,
+    CallCapture,
+    CheckpointRegions,
+    BackwardBookkeeping,
+    GroupClipping,
+    GradHooks,
+    PackedSequences,
 ):
     """Per-example gradient clipping for any ``nn.Module``, by book-keeping, in one backward pass.
 
@@ -85,6 +94,10 @@ class BookKeepingClipper(
             other parameters during the forward pass than between steps (FSDP2 swaps each sharded parameter for an
             unsharded one): the registered parameter of each parameter the forward pass uses. The clipper must be
             built while the model holds the used ones (:mod:`hf_dp.step.fsdp` does this).
+        packed_sequences (`bool`, *optional*, defaults to `False`): the rows hold several sequences each (TRL's
+            padding-free packing: ``position_ids`` restarting at each sequence, no attention mask), and each sequence
+            is one example: the loss is ``[S]`` for the ``S`` sequences and everything is per sequence
+            (:mod:`hf_dp.engine.packed`; token-wise layers only).
 
     Raises:
         UnsupportedModuleError: BatchNorm anywhere in the model, or a trainable parameter no rule covers (at
@@ -116,11 +129,13 @@ class BookKeepingClipper(
         gamma: float = 0.01,
         grad_sink: Callable[[nn.Parameter, Tensor], None] | None = None,
         registered_parameters: Mapping[nn.Parameter, nn.Parameter] | None = None,
+        packed_sequences: bool = False,
     ) -> None:
         self.policy = _checked_policy(mode, max_grad_norm, clipping_style, clipping_fn, gamma, grad_sink)
         self.model = model
         self.mode = mode
         self.allow_fallback = allow_fallback
+        self.packed_sequences = bool(packed_sequences)
         self.grad_sink = grad_sink
         self.per_example_norms: Tensor | None = None
         self.per_group_norms: Tensor | None = None
@@ -173,6 +188,7 @@ class BookKeepingClipper(
         self._root_call: tuple | None = None  # (args, kwargs, batch) of the forward pass in progress
         self._early_stop = None  # checkpoint early stop switched off during the forward pass
         self._recomputing = False  # parameters switched off during a checkpointed region's recomputation
+        self._packed_plan: Plan | None = None  # packed sequences: the plan whose modules were checked token-wise
 
     @property
     def max_grad_norm(self) -> float:
@@ -271,6 +287,8 @@ class BookKeepingClipper(
             ```
         """
         self._check_own_passes("run the self-check")
+        if self.packed_sequences:  # each checked sequence against itself run alone, unpacked
+            return packed_self_check(self, inputs, per_example_loss, num_examples=num_examples)
         return self_check(self, inputs, per_example_loss, num_examples=num_examples)
 
     def backward(self, per_example_loss: Tensor, *, units=None) -> Tensor:

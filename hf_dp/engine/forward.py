@@ -141,6 +141,8 @@ class ForwardHooks:
             self._install(self._make_plan(args, kwargs, batch, names=names))
             self._pass = None
         self._start_pass(batch)
+        if self.packed_sequences and batch.size > 0:  # the examples are the sequences of the rows
+            self._start_packed(kwargs, batch.size)
         if self._plan is not None and self._verified != self.model.training and batch.size > 0:
             self._start_verification(names if names is not None else self._names())
         self._start_capture(module, args)

@@ -87,11 +87,17 @@ class Pass:
     units: Any = None  # grads.Units: clip per privacy unit (several examples); None: per example
     hooked: dict = field(default_factory=dict)  # parameter -> its tensor hooks, applied per example (grad_hooks)
     hook_sums: dict = field(default_factory=dict)  # ghost mode's check: the hooks run on the sum, as autograd does
+    segments: Any = None  # packed.Segments: the examples are the sequences packed into the rows; None: the rows
+
+    @property
+    def examples(self) -> int:
+        """The number of examples: the rows of the batch, or the sequences packed into them."""
+        return self.size if self.segments is None else self.segments.count
 
     @property
     def num_units(self) -> int:
         """The number of clipped units: examples, or the privacy units (users) they belong to."""
-        return self.size if self.units is None else self.units.count
+        return self.examples if self.units is None else self.units.count
 
     @property
     def size(self) -> int:

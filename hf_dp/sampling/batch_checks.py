@@ -21,6 +21,11 @@ This module checks, for every micro-batch of a DP step:
 
 The collator itself is checked before training (:func:`check_collator`), so the usual cases fail before the model is
 even moved to the device.
+
+One collator is accepted with padding-free batches: :class:`~hf_dp.sampling.packing.PackedSequenceCollator`, with which
+the trainer clips each sequence of a row as one example (DPSFTTrainer's padding-free packing). Its batches may carry
+the packing keys and restarting ``position_ids``; one loss per sampled sequence is then checked as for rows (the
+losses against the sampled count here, the sequences of the ``position_ids`` against the losses in the engine).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 import torch
 
 from .data_checks import empty_sequences
+from .packing import packs_sequences
 
 __all__ = [
     "NUM_EXAMPLES_KEY",
@@ -51,7 +57,8 @@ _PACKING_FIX = (
     "while the accountant counts each of them. Set `padding_free=False` (TRL), use `packing=False` or "
     "`packing_strategy='wrapped'` (each packed row is then the privacy unit), or use a padding collator "
     "(`DataCollatorWithPadding`, `DataCollatorForLanguageModeling`, `DataCollatorForSeq2Seq`) instead of "
-    "`DataCollatorWithFlattening`."
+    "`DataCollatorWithFlattening`. (DPSFTTrainer trains TRL's padding-free packing, `packing_strategy='bfd'`, with "
+    "each sequence clipped on its own.)"
 )
 
 
@@ -69,7 +76,7 @@ def collator_name(collator: Any) -> str:
 
 def check_collator(collator: Any) -> None:
     """A collator that flattens the micro-batch into one row (padding-free) raises ValueError with what to set."""
-    if collator is None:
+    if collator is None or packs_sequences(collator):  # each sequence of its rows is clipped as one example
         return
     classes = {cls.__name__ for cls in type(collator).__mro__}
     reason = None
@@ -101,6 +108,7 @@ class MicroBatchChecks:
     def __init__(self, collator: Any = None) -> None:
         self.collator = collator_name(collator)
         self.positions_checked = False
+        self.packed = packs_sequences(collator)  # padding-free rows, each sequence clipped as one example
 
     def before_forward(self, inputs: Any) -> int | None:
         """Takes :data:`NUM_EXAMPLES_KEY` out of ``inputs`` (in place: the model must not see it) and returns it
@@ -115,6 +123,8 @@ class MicroBatchChecks:
                 f"The micro-batch from {self.collator} has {empty}: its sequences have length 0, so there is nothing "
                 "to train on. Check the tokenization (the text column, `max_length`, truncation or filtering)."
             )
+        if self.packed:
+            return sampled
         packed = [key for key in PACKING_KEYS if key in inputs]
         if packed:
             raise ValueError(

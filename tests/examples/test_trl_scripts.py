@@ -260,6 +260,12 @@ SFT_FORMS = {
     "conversational_peft": ("messages", PEFT),
     "completion_only_peft": ("prompt_completion", PEFT),
     "packing_wrapped": ("text", ["--packing", "--packing_strategy", "wrapped"]),
+    "packing_bfd": ("text", ["--packing"]),  # TRL's default strategy: padding-free, each sequence clipped alone
+}
+#: The card's unit line of each kind of run.
+UNITS = {
+    "packing_wrapped": "one packed row of `max_length` tokens",
+    "packing_bfd": "one sequence: one example of the training set",
 }
 
 
@@ -269,26 +275,26 @@ def test_trl_sft_script(tmp_path, monkeypatch, scripts, tiny_model, trainers, fo
     data, out = _dataset_dir(tmp_path / "data", rows), tmp_path / "out"
     argv = ["--model_name_or_path", str(tiny_model), "--dataset_name", str(data), "--output_dir", str(out)]
     run_script(scripts["sft"], [*argv, *TINY, *flags], monkeypatch)
-    packed = "--packing" in flags
-    unit = "one packed row of `max_length` tokens" if packed else "one training example"
-    trainer = _check_run(trainers, out, peft="--use_peft" in flags, unit=unit)
+    trainer = _check_run(trainers, out, peft="--use_peft" in flags, unit=UNITS.get(form, "one training example"))
     columns = trainer.train_dataset.column_names
     if form == "completion_only_peft":  # TRL's prompt-completion preparation: the loss on the completion only
         assert "labels" in columns and trainer.args.completion_only_loss is not False
         for labels in trainer.train_dataset["labels"]:  # the prompt's tokens masked, the completion's kept
             assert labels[0] == -100 and labels[-1] != -100, labels
-    if packed:  # 48 short rows wrapped into rows of exactly 32 tokens
+    if form == "packing_bfd":  # sampled as the 48 sequences, packed per micro-batch after sampling
+        assert trainer.dp_summary()["num_examples"] == 48 and "seq_lengths" not in columns
+    if form == "packing_wrapped":  # 48 short rows wrapped into rows of exactly 32 tokens
         lengths = {len(ids) for ids in trainer.train_dataset["input_ids"]}
         assert lengths == {32} or (max(lengths) == 32 and len(lengths) == 2), lengths  # the last row may be short
         assert trainer.dp_summary()["num_examples"] < 48
 
 
-def test_trl_sft_script_refuses_padding_free_packing(tmp_path, monkeypatch, scripts, tiny_model, trainers):
-    """TRL's default packing strategy (bfd: padding-free) is refused while parsing, with what to set."""
+def test_trl_sft_script_refuses_bfd_split_packing(tmp_path, monkeypatch, scripts, tiny_model, trainers):
+    """`bfd_split` (a document's pieces would be clipped as separate examples) is refused while parsing."""
     data = _dataset_dir(tmp_path / "data", "text")
     argv = ["--model_name_or_path", str(tiny_model), "--dataset_name", str(data), "--output_dir", str(tmp_path)]
-    with pytest.raises(ValueError, match=r"packing_strategy='bfd'.*Set `packing_strategy='wrapped'`"):
-        run_script(scripts["sft"], [*argv, *TINY, "--packing"], monkeypatch)
+    with pytest.raises(ValueError, match=r"bfd_split.*Set `packing_strategy='bfd'`"):
+        run_script(scripts["sft"], [*argv, *TINY, "--packing", "--packing_strategy", "bfd_split"], monkeypatch)
     assert not trainers
 
 

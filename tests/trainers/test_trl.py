@@ -391,23 +391,16 @@ class TestUserLevelSFT:
 
 
 class TestRefusals:
-    @pytest.mark.parametrize("strategy", ["bfd", "bfd_split"])
-    def test_padding_free_packing_is_refused_with_what_to_set(self, tmp_dir, strategy):
-        with pytest.raises(ValueError, match="packing_strategy='wrapped'"):
-            sft_args(tmp_dir, packing=True, packing_strategy=strategy)
-
-    def test_packing_default_strategy_is_refused(self, tmp_dir):
-        with pytest.raises(ValueError, match="'bfd'"):
-            sft_args(tmp_dir, packing=True)
-
-    def test_padding_free_is_refused(self, tmp_dir):
-        with pytest.raises(ValueError, match="padding_free=False"):
-            sft_args(tmp_dir, padding_free=True)
+    def test_bfd_split_packing_is_refused_with_what_to_set(self, tmp_dir):
+        """A document's pieces would be clipped as separate examples (TRL's default 'bfd' and padding-free training
+        are supported: each sequence clipped on its own, tests/trainers/test_trl_packing.py)."""
+        with pytest.raises(ValueError, match="packing_strategy='bfd'.*packing_strategy='wrapped'"):
+            sft_args(tmp_dir, packing=True, packing_strategy="bfd_split")
 
     def test_settings_changed_after_the_config_are_refused_at_init(self, tmp_dir):
-        args = sft_args(tmp_dir)
-        args.packing = True  # bfd: padding-free
-        with pytest.raises(ValueError, match="padding-free"):
+        args = sft_args(tmp_dir, packing=True)
+        args.packing_strategy = "bfd_split"
+        with pytest.raises(ValueError, match="bfd_split"):
             DPSFTTrainer(model=gpt2(), args=args, train_dataset=text_data(), processing_class=tokenizer())
 
     @pytest.mark.parametrize("name", ["causal_lm", "auto"])

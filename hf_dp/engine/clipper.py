@@ -37,6 +37,7 @@ from .policy import ClippingPolicy, ParameterGroups
 from .proof import PlanProof
 from .regions import CheckpointRegions
 from .self_check import self_check
+from .shared_outputs import SharedOutputs
 from .state import ModelHook, Pass
 from .verify import Verification
 
@@ -53,7 +54,9 @@ CLIPPING_MODES: dict[str, str] = {
 }
 
 
-class BookKeepingClipper(ForwardHooks, PlanProof, CallCapture, CheckpointRegions, BackwardBookkeeping, GroupClipping):
+class BookKeepingClipper(
+    ForwardHooks, PlanProof, CallCapture, SharedOutputs, CheckpointRegions, BackwardBookkeeping, GroupClipping
+):
     """Per-example gradient clipping for any ``nn.Module``, by book-keeping, in one backward pass.
 
     Args:

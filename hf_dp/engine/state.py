@@ -85,6 +85,7 @@ class Pass:
     grads_before: dict | None = None  # ghost mode: p.grad before the first backward; bk: (id, version) of p.grad
     complete: bool = False  # the forward pass returned
     units: Any = None  # grads.Units: clip per privacy unit (several examples); None: per example
+    shared: Any = None  # shared_outputs.SharedState: outputs computed once for the batch, and copies of them
 
     @property
     def num_units(self) -> int:

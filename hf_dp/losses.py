@@ -222,9 +222,32 @@ def _logits(outputs: Any, name: str = "logits") -> Tensor:
     return outputs[0] if name in ("logits", "start_logits") else outputs[1]
 
 
+def _virtual_tokens(model) -> int:
+    """How many virtual tokens a prompt-learning PEFT model puts before the input tokens, where its outputs have a
+    position for each: prompt tuning, p-tuning, CPT (not prefix tuning, whose prefix is in the attention's keys and
+    values only); 0 for any other model."""
+    model = getattr(model, "module", model)  # DDP / DataParallel
+    config = getattr(model, "active_peft_config", None)
+    if not getattr(config, "is_prompt_learning", False) or config.peft_type in ("PREFIX_TUNING", "CARTRIDGE"):
+        return 0
+    return int(getattr(config, "num_virtual_tokens", 0) or 0)
+
+
+def _aligned_labels(logits: Tensor, labels: Tensor, model) -> Tensor:
+    """``labels`` with ``-100`` for the virtual tokens of a prompt-learning PEFT model in front, as peft itself pads
+    them for the base model's own loss, when the logits have a position for each (else ``labels`` unchanged)."""
+    n = _virtual_tokens(model)
+    if n and labels.dim() >= 2 and logits.dim() >= 3 and logits.shape[1] == labels.shape[1] + n:
+        pad = labels.new_full((labels.shape[0], n, *labels.shape[2:]), IGNORE_INDEX)
+        return torch.cat([pad, labels], 1)
+    return labels
+
+
 def _token_type_loss(fn):
-    def loss(outputs, labels, *, reduction, label_smoothing, **context):
-        return fn(_logits(outputs), labels["labels"], reduction=reduction, label_smoothing=label_smoothing)
+    def loss(outputs, labels, *, reduction, label_smoothing, model=None, **context):
+        logits = _logits(outputs)
+        labels = _aligned_labels(logits, labels["labels"], model)
+        return fn(logits, labels, reduction=reduction, label_smoothing=label_smoothing)
 
     return loss
 
@@ -236,12 +259,13 @@ def _head_loss(fn):
     return loss
 
 
-def _causal(outputs, labels, *, reduction, label_smoothing, **context):
+def _causal(outputs, labels, *, reduction, label_smoothing, model=None, **context):
+    logits = _logits(outputs)
     if "shift_labels" in labels:  # labels already shifted by the collator: no second shift
-        return token_loss(
-            _logits(outputs), labels["shift_labels"], reduction=reduction, label_smoothing=label_smoothing
-        )
-    return causal_lm_loss(_logits(outputs), labels["labels"], reduction=reduction, label_smoothing=label_smoothing)
+        shifted = _aligned_labels(logits, labels["shift_labels"], model)
+        return token_loss(logits, shifted, reduction=reduction, label_smoothing=label_smoothing)
+    aligned = _aligned_labels(logits, labels["labels"], model)
+    return causal_lm_loss(logits, aligned, reduction=reduction, label_smoothing=label_smoothing)
 
 
 def _span(outputs, labels, *, reduction, label_smoothing, **context):
@@ -367,7 +391,9 @@ def per_example_loss(
     """``[B]`` loss of ``loss_type`` from the model's ``outputs`` and the batch's label tensors.
 
     ``model`` and ``inputs`` (the whole batch) are read by the losses that need them: ``ctc`` takes its blank id and
-    reduction from ``model.config`` and its frame counts from ``inputs["attention_mask"]``.
+    reduction from ``model.config`` and its frame counts from ``inputs["attention_mask"]``; the token losses give the
+    virtual tokens of a prompt-learning PEFT model (prompt tuning, p-tuning, CPT), which have logits but no labels,
+    the label ``-100``, as peft does for the base model's own loss.
 
     Raises:
         ValueError: an unknown loss type, or a label tensor the loss type needs is missing from the batch.

@@ -171,7 +171,7 @@ class BackwardBookkeeping:
 
     def _on_grad(self, use: Use, grad) -> None:
         p = self._pass
-        if p is None or p.phase is None:
+        if p is None or p.phase is None or self._internal:  # (the engine's own backward passes: hooks stand aside)
             return
         if p.recomputing:
             self._check_reentrant_task(use)

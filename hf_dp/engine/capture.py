@@ -118,7 +118,14 @@ class CallCapture:
         ordinal = p.ordinal.get(id(module), 0)
         out_leaves = flatten_output(output)
         in_leaves = flatten_call(args, kwargs) if entry.is_fallback else None
-        layout = self._layout_for(entry, module, ordinal, in_leaves, out_leaves)
+        with self._copies_paused:  # the engine's own work (a new path's proof, expansions) makes no copies
+            layout = self._deferral(
+                entry, self._layout_for(entry, module, ordinal, in_leaves, out_leaves), out_leaves, frame, reentrant
+            )
+            return self._book_keep_call(entry, module, args, kwargs, output, params, frame, reentrant, random, layout)
+
+    def _book_keep_call(self, entry, module, args, kwargs, output, params, frame, reentrant, random, layout):
+        p = self._pass
         if reentrant:
             use = Use(entry, params, None, layout, region=frame, reentrant=True)
             p.uses.append(use)
@@ -136,6 +143,9 @@ class CallCapture:
         """The output to hook, and the output to return instead of the module's (``None``: keep it)."""
         out_layout: Layout = layout.outputs[0]
         new_output = None
+        if layout.deferred:
+            output = new_output = self._shared_tensor(output)
+            return output, new_output
         if out_layout.broadcast:
             output = new_output = output.expand(self._pass.size * out_layout.repeat, *output.shape[1:])
         if not output.requires_grad:
@@ -163,7 +173,11 @@ class CallCapture:
 
         A closed-form output is hooked on its storage root, whose hook survives the caller's in-place writes (a
         standard layer does not use its own output). A hook that an in-place write could drop (on a view that is not
-        a whole view of its base) is noted with the tensor's version, checked before the backward pass."""
+        a whole view of its base) is noted with the tensor's version, checked before the backward pass. Deferred
+        outputs: :meth:`~.shared_outputs.SharedOutputs._hook_shared`."""
+        if use.layout.deferred:
+            self._hook_shared(use, positions, tensors)
+            return
         if positions is None:
             target, shape = storage_root(tensors[0])
             if shape is not None:
@@ -197,7 +211,9 @@ class CallCapture:
         for j, (leaf, lay) in enumerate(zip(leaves, layout.outputs, strict=True)):
             if lay is None:
                 continue
-            if lay.broadcast:
+            if lay.broadcast and layout.deferred:
+                leaf = self._shared_tensor(leaf)
+            elif lay.broadcast:
                 leaf = leaf.expand(b * lay.repeat, *leaf.shape[1:])
             if not leaf.requires_grad:
                 leaf = leaf + self._origin(leaf)

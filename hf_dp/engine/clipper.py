@@ -40,6 +40,7 @@ from .policy import ClippingPolicy, ParameterGroups
 from .proof import PlanProof
 from .regions import CheckpointRegions
 from .self_check import self_check
+from .shared_outputs import SharedOutputs
 from .state import ModelHook, Pass
 from .verify import Verification
 
@@ -60,6 +61,7 @@ class BookKeepingClipper(
     ForwardHooks,
     PlanProof,
     CallCapture,
+    SharedOutputs,
     CheckpointRegions,
     BackwardBookkeeping,
     GroupClipping,

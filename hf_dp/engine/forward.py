@@ -219,6 +219,7 @@ class ForwardHooks:
 
     def _end_capture(self) -> None:
         """Back to a plain model between forward passes: no verification mode, ``requires_grad`` restored."""
+        self._stop_copies()
         if self._recorder is not None:
             recorder, self._recorder = self._recorder, None
             recorder.frames = []

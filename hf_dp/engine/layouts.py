@@ -39,8 +39,9 @@ __all__ = [
 @dataclass
 class CallLayout:
     """How the engine reads one call of a hooked module: the layout of each output (and, for the fallback, input)
-    leaf, which outputs to expand from ``[1, ...]`` to the batch, and which inputs (key/value caches, proven empty
-    for this call) the fallback's re-run leaves out.
+    leaf, which outputs to expand from ``[1, ...]`` to the batch (or, ``deferred``, to leave as they are and follow
+    to the model's copies of them along the batch: :mod:`.shared_outputs`), and which inputs (key/value caches, proven
+    empty for this call) the fallback's re-run leaves out.
 
     ``shapes`` holds the shapes of the leaves the layout was proven on (the probe run on two examples; ``None`` for a
     leaf that was not a tensor): the layout holds for a later call only if :func:`fits` says so. A model can take
@@ -53,6 +54,7 @@ class CallLayout:
     expand: tuple[int, ...] = ()
     drop: tuple[int, ...] = ()
     shapes: tuple[list, list] | None = None  # (input leaves, output leaves); closed forms: output leaves only
+    deferred: bool = False  # the `expand` outputs stay [1, ...]: their copies along the batch are hooked instead
 
 
 def leaf_shapes(leaves: list) -> list:
@@ -66,6 +68,8 @@ def _leaf_fits(x, ref: tuple | None, layout, batch_size: int) -> bool:
     if x.dim() != len(ref):
         return False
     if isinstance(layout, Layout):
+        if layout.broadcast and x.dim() > layout.dim and x.shape[layout.dim] == batch_size * layout.repeat:
+            return True  # a [1, ...] tensor expanded upstream (its input was): its rows are the examples' copies
         try:
             layout.rows(x, batch_size)
         except ValueError:

@@ -372,11 +372,12 @@ def run_expanded(
     output_hook: Callable[[CallRecord, Any], Any],
     *,
     in_eval_mode: bool = False,
+    with_grad: bool = False,
 ) -> Any:
-    """The output of ``model(*args, **kwargs)`` in eval mode without gradients, each call of ``modules`` passed
-    through ``output_hook(record, output)`` (a record with the call's module and ordinal only; ``None``: keep the
-    output), as :func:`run_probe` would pass it, without recording anything else. ``in_eval_mode``: the caller
-    already holds the model in :func:`eval_mode`."""
+    """The output of ``model(*args, **kwargs)`` in eval mode without gradients (``with_grad``: with them), each call
+    of ``modules`` passed through ``output_hook(record, output)`` (a record with the call's module and ordinal only;
+    ``None``: keep the output), as :func:`run_probe` would pass it, without recording anything else.
+    ``in_eval_mode``: the caller already holds the model in :func:`eval_mode`."""
     counts: dict[int, int] = {}
     stack: list[tuple[nn.Module, int]] = []
 
@@ -400,7 +401,7 @@ def run_expanded(
             handles.append(module.register_forward_pre_hook(pre))
             handles.append(module.register_forward_hook(post, always_call=True, prepend=True))
     try:
-        with contextlib.nullcontext() if in_eval_mode else eval_mode(model), torch.no_grad():
+        with contextlib.nullcontext() if in_eval_mode else eval_mode(model), torch.set_grad_enabled(with_grad):
             return model(*args, **kwargs)
     finally:
         for handle in handles:

@@ -23,6 +23,7 @@ from .checkpointing import own_saved_tensors
 from .coverage import HookedModule
 from .planner import CallLayout, Plan, build_plan, expansion_changes_output, fits, needs_third_run
 from .probe import Prober, frozen_rng, probe_mode, run_expanded, run_probe
+from .shared_outputs import copied_calls
 from .state import expand_output
 
 logger = logging.getLogger("hf_dp.engine.clipper")
@@ -95,19 +96,53 @@ class PlanProof:
         return plan
 
     def _prove_expansions(self, plan: Plan, args, kwargs, batch: RootBatch, pair: list[int], two, params) -> None:
+        """Defer the proven ``[1, ...]`` outputs that reach the model's output through the model's own copies of them
+        along the batch alone (a prompt computed once and repeated, which an expansion would copy ``B`` times; the
+        model computes as it would without hf_dp: :mod:`.shared_outputs`); expand the others to the batch if the
+        model's output stays the same with them expanded (HF position embeddings added to the batch), else refuse."""
         by_id = {id(e): e for e in plan.hooked}
         expanding = [(key, layout) for key, layouts in plan.calls.items() for layout in layouts if layout.expand]
+        if not expanding:
+            return
+        sub = slice_batch(args, kwargs, batch, pair)
+        calls = {(id(by_id[e].module), ordinal): layout.expand for (e, ordinal), layout in expanding}
+        copied = copied_calls(self.model, sub, calls)
+        kept = [((e, ordinal), lay) for (e, ordinal), lay in expanding if (id(by_id[e].module), ordinal) not in copied]
+        if self._expansions_hold(plan, kept, sub, two, by_id):
+            for (e, ordinal), layout in expanding:
+                if (id(by_id[e].module), ordinal) in copied:
+                    layout.deferred = True
+                    layout.outputs = [
+                        replace(x, repeat=1) if j in layout.expand else x for j, x in enumerate(layout.outputs)
+                    ]
+            return
+        which = sorted({by_id[e].name for (e, _), _ in expanding})
+        raise UnsupportedModuleError(
+            f"The outputs of {which} are the same for every example ([1, ...], e.g. position ids built "
+            "with batch size 1, or a prompt computed once); hf_dp gets their per-example gradients from the model's "
+            "copies of them along the batch (`repeat`, `expand`, `expand_as`, `broadcast_to`, `tile`, "
+            "`repeat_interleave` along dimension 0), or else by expanding them to the batch, but the model reaches "
+            "its output from them otherwise than through such copies alone, and does not use them as a broadcast "
+            "over the examples either (expanded, its output changes: e.g. it runs on several rows per example). "
+            "Pass such inputs (e.g. `position_ids`) with one row per row of the model's batch, or freeze their "
+            "parameters."
+        )
+
+    def _expansions_hold(self, plan: Plan, expanding: list, sub: tuple, two, by_id: dict) -> bool:
+        """Whether some choice of rows per example for the ``expanding`` calls' ``[1, ...]`` outputs (the others
+        left as they are) leaves the model's output on the probe unchanged (their layouts are left at that choice)."""
+        if not expanding:
+            return True
         # Expand [1, ...] outputs to `repeat` rows per example: 1, else the rows per example the model runs on
         # (multiple choice flattens [B, choices, T] to [B * choices, T]); keep the first that leaves the model's
-        # output unchanged on the probe.
-        changed = bool(expanding)
-        # First the rows per example of each call's caller (Swin adds a [1, h, w, w] bias to the attention of the
-        # windows of each example, a number that differs from stage to stage), then one repeat for every call.
+        # output unchanged on the probe. First the rows per example of each call's caller (Swin adds a [1, h, w, w]
+        # bias to the attention of the windows of each example, a number that differs from stage to stage), then
+        # one repeat for every call.
         own = [_caller_rows(two, by_id[entry_id].module, ordinal) for (entry_id, ordinal), _ in expanding]
         choices = ([own] if all(r is not None for r in own) and len(set(own)) > 1 else []) + [
             [repeat] * len(expanding) for repeat in plan.repeats
         ]
-        for repeats in choices if expanding else ():
+        for repeats in choices:
             expand = {}
             for ((entry_id, ordinal), layout), repeat in zip(expanding, repeats, strict=True):
                 layout.outputs = [
@@ -117,7 +152,7 @@ class PlanProof:
             try:
                 expanded = run_expanded(
                     self.model,
-                    *slice_batch(args, kwargs, batch, pair),
+                    *sub,
                     [by_id[entry_id].module for (entry_id, _), _ in expanding],
                     functools.partial(expand_output, expand, 2),
                     in_eval_mode=True,  # inside `_make_plan`'s
@@ -126,16 +161,8 @@ class PlanProof:
             except Exception:  # noqa: BLE001  (the model cannot take the expanded tensor)
                 changed = True
             if not changed:
-                break
-        if changed:
-            which = sorted({by_id[e].name for (e, _), lay in expanding})
-            raise UnsupportedModuleError(
-                f"The outputs of {which} are the same for every example ([1, ...], e.g. position ids built "
-                "with batch size 1); hf_dp expands them to the batch to get their per-example gradients, but "
-                "the model does not use them as a broadcast over the examples (e.g. it runs on several rows "
-                "per example). Pass such inputs (e.g. `position_ids`) with one row per row of the model's "
-                "batch, or freeze their parameters."
-            )
+                return True
+        return False
 
     def _layout_for(self, entry: HookedModule, module: nn.Module, ordinal: int, in_leaves, out_leaves) -> CallLayout:
         """The proven layout of this call; proven now, on examples of this batch, if the call takes a path (a

@@ -88,6 +88,7 @@ class Pass:
     hooked: dict = field(default_factory=dict)  # parameter -> its tensor hooks, applied per example (grad_hooks)
     hook_sums: dict = field(default_factory=dict)  # ghost mode's check: the hooks run on the sum, as autograd does
     segments: Any = None  # packed.Segments: the examples are the sequences packed into the rows; None: the rows
+    shared: Any = None  # shared_outputs.SharedState: outputs computed once for the batch, and copies of them
 
     @property
     def examples(self) -> int:

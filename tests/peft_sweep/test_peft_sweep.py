@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 import os
 from pathlib import Path
 
@@ -101,12 +102,14 @@ FULL = os.environ.get("HF_DP_PEFT") == "full"
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """Tiny models: one intra-op thread (two contend on a loaded 2-core machine)."""
-    previous = torch.get_num_threads()
+    """Tiny models: one intra-op thread (two contend on a loaded 2-core machine); quiet, the logging of the tests after
+    these restored (pytest restores the warning filters itself)."""
+    previous, logging_off = torch.get_num_threads(), logging.root.manager.disable
     torch.set_num_threads(1)
     quiet()
     yield
     torch.set_num_threads(previous)
+    logging.disable(logging_off)
 
 
 def _check(runs: list[Run], *, allow_skipped: bool) -> None:

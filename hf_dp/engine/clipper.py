@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from ..layers import UnsupportedModuleError, spec_augment
 from .backward import BackwardBookkeeping
+from .bnb_packing import hold_cpu_repacking, release_cpu_repacking
 from .capture import CallCapture
 from .clipping import GroupClipping
 from .coverage import plan_coverage, trainable_parameters
@@ -146,12 +147,14 @@ class BookKeepingClipper(
         self._original_requires_grad = {p: p.requires_grad for p in model.parameters()}
         self._original_requires_grad.update({twin: twin.requires_grad for twin in self._registered.values()})
         self._check_grad_hooks()  # hooks the engine cannot apply per example are refused (grad_hooks)
+        self._bnb_held = hold_cpu_repacking(model)  # bitsandbytes' CPU repacking breaks its backward (until remove)
         # SpecAugment's masking runs as a child's call while the clipper is installed (undone by `remove()`)
         self._spec_augment = spec_augment.install(model)
         try:
             self._static = plan_coverage(model, allow_fallback=allow_fallback)
         except BaseException:
             spec_augment.uninstall(self._spec_augment)
+            release_cpu_repacking(self._bnb_held)
             raise
         self._trainable = tuple(trainable_parameters(model))
         self._set_groups()
@@ -250,6 +253,8 @@ class BookKeepingClipper(
             p.requires_grad_(flag)
         spec_augment.uninstall(self._spec_augment)
         self._spec_augment = []
+        release_cpu_repacking(self._bnb_held)
+        self._bnb_held = []
         self._plan, self._pass, self._prepared, self._capturing = None, None, False, False
         self._origins = {}
         self._shadow_depth = defaultdict(int)

@@ -82,13 +82,9 @@ SAMPLE: dict[str, tuple[str, ...]] = {
     "xlora": ("llama",),
 }
 
-#: Known open cases, fixed by other branches of issue 38: each is ``xfail(strict=False)`` until its fix is merged;
-#: remove an entry once its branch is in (the test then asserts it like every other tuner). Prompt tuning, P-tuning
-#: and CPT are not here: hf_dp refuses them naming the prompt encoder's path (an accepted outcome) until prompt
-#: learning is supported, and must never be wrong meanwhile.
+#: Known open cases: each is ``xfail(strict=False)`` until its fix lands; remove an entry once it is fixed (the test
+#: then asserts it like every other tuner).
 KNOWN_OPEN: dict[str, str] = {
-    "osf": "OSF projects each gradient in a hook on its parameters; book-keeping forms the gradients itself and "
-    "skips the projection (wrong in bk and bk-mixopt, refused in ghost): parameter hooks, issue 38",
     "loha": "LyCORIS module dropout draws torch.rand(1) in every training forward: the replay refuses without a "
     "module path (random draws of PEFT layers, issue 38)",
     "lokr": "as LoHa: LyCORIS module dropout's draw (random draws of PEFT layers, issue 38)",
@@ -97,6 +93,11 @@ KNOWN_OPEN: dict[str, str] = {
     "poly": "Poly's router samples a RelaxedBernoulli in training: the replay refuses naming the class `Linear`, not "
     "the module path (the random-draws branch of issue 38 names the path)",
 }
+#: Tuners that must be exact in every mode on every model peft builds them on: a refusal of one of these is a failure
+#: (issue 38: parameter hooks, outputs copied along the batch, random draws of PEFT layers).
+MUST_BE_EXACT: frozenset[str] = frozenset(
+    {"osf", "prompt_tuning", "p_tuning", "cpt", "multitask_prompt_tuning", "loha", "lokr", "lora-dora-dropout"}
+)
 FULL = os.environ.get("HF_DP_PEFT") == "full"
 
 
@@ -115,7 +116,9 @@ def one_thread():
 def _check(runs: list[Run], *, allow_skipped: bool) -> None:
     problems, skipped = [], []
     for run in runs:
-        if run.outcome in ("exact", "refused"):  # refused: by hf_dp, naming a module path (else it is unclear)
+        if run.outcome == "refused" and run.tuner in MUST_BE_EXACT:
+            problems.append(f"must be exact, refused: {run.line()}")
+        elif run.outcome in ("exact", "refused"):  # refused: by hf_dp, naming a module path (else it is unclear)
             continue
         if run.outcome == "skipped":
             skipped.append(run.detail)
@@ -154,7 +157,7 @@ def test_every_peft_type_is_swept():
     assert {peft_type for peft_type, _ in TUNERS.values()} == {t.value for t in peft.PeftType}
     assert set(SAMPLE) == set(TUNERS)
     assert all(m in MODELS for ms in SAMPLE.values() for m in ms)
-    assert set(KNOWN_OPEN) <= set(TUNERS)
+    assert set(KNOWN_OPEN) <= set(TUNERS) and MUST_BE_EXACT <= set(TUNERS)
 
 
 def test_the_oracle_sees_the_hooks_on_parameters():

@@ -51,12 +51,20 @@ class ForwardHooks:
 
     @contextlib.contextmanager
     def _inert(self):
-        """Every hook of the engine stands aside (the engine runs the model, a rule or the self-check itself)."""
+        """Every hook of the engine stands aside (the engine runs the model, a rule or the self-check itself), the
+        recorder of random draws too: a probe or rule check run inside a fallback module's forward (a layout proven
+        again mid-pass) draws numbers of its own, which are no draws of that module."""
+        recorder = self._recorder
+        frames = recorder.frames if recorder is not None else None
+        if recorder is not None:
+            recorder.frames = []
         self._internal += 1
         try:
             yield
         finally:
             self._internal -= 1
+            if recorder is not None:
+                recorder.frames = frames
 
     def _names(self) -> tuple[dict[int, str], dict[nn.Parameter, str]]:
         modules = {}

@@ -222,8 +222,11 @@ class RandomReplayer(TorchFunctionMode):
 
 
 def _cut(recorded: Tensor, shape: tuple[int, ...], batch_size: int, example: int, error) -> Tensor:
-    """The rows of ``example`` in ``recorded``, which holds ``batch_size`` examples of ``shape`` along one dimension."""
-    if tuple(recorded.shape) == shape and batch_size == 1:
+    """The rows of ``example`` in ``recorded``, which holds ``batch_size`` examples of ``shape`` along one dimension;
+    ``recorded`` itself where the re-run draws the shape the forward drew: a draw for the whole call, not per example
+    (peft's LyCORIS ``torch.rand(1) > module_dropout``, which keeps or drops the adapter for the whole batch, and its
+    rank-dropout mask over the output rows), which every example's re-run must see as the forward drew it."""
+    if tuple(recorded.shape) == shape:
         return recorded
     if recorded.dim() != len(shape):
         raise error()

@@ -116,7 +116,9 @@ class ForwardHooks:
         for module in modules.values():
             if module is not self.model:  # the root's own start is handled by the root pre-hook
                 self._plan_handles.append(module.register_forward_pre_hook(ModelHook(self._on_module_start)))
-        self._fallback_modules = {id(entry.module) for entry in plan.hooked if entry.is_fallback}
+        # the modules whose random draws are recorded: the fallback's (replayed in its re-run), and those of rules
+        # that read them
+        self._fallback_modules = {id(e.module) for e in plan.hooked if e.is_fallback or e.rule.records_random}
         self._shadow_start = {}
         for entry in plan.hooked:
             self._shadow_start.setdefault(id(entry.module), []).extend(plan.shadowing.get(id(entry), ()))

@@ -109,6 +109,9 @@ class LayerRule:
     #: Unused since the engine proves and expands broadcast (size-1) batch dimensions itself; kept for rules that
     #: set it.
     expands_batch_one: bool = False
+    #: Whether the rule reads the random draws of each call (``captured.random``, recorded in the forward pass as for
+    #: the fallback, :mod:`.replay`): a module whose draws decide what it computed (peft's LyCORIS module dropout).
+    records_random: bool = False
 
     def check(self, module: nn.Module, name: str) -> None:
         """Raise :class:`UnsupportedModuleError` if this configuration of the module is not supported."""

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from ..layers import UnsupportedModuleError
 from ..layers.grads import compute_dtype
-from ..layers.replay import RandomRecorder, draws_random_numbers
+from ..layers.replay import RandomFrame, RandomRecorder, draws_random_numbers
 from .batch import RootBatch, root_batch
 from .checkpointing import (
     CHECKPOINTING_SUPPORTED,
@@ -118,7 +118,7 @@ class ForwardHooks:
                 self._plan_handles.append(module.register_forward_pre_hook(ModelHook(self._on_module_start)))
         # the modules whose random draws are recorded: the fallback's (replayed in its re-run), and those of rules
         # that read them
-        self._fallback_modules = {id(e.module) for e in plan.hooked if e.is_fallback or e.rule.records_random}
+        self._fallback_modules = {id(e.module): e.name for e in plan.hooked if e.is_fallback or e.rule.records_random}
         self._shadow_start = {}
         for entry in plan.hooked:
             self._shadow_start.setdefault(id(entry.module), []).extend(plan.shadowing.get(id(entry), ()))
@@ -262,14 +262,14 @@ class ForwardHooks:
         for q in self._shadow_start.get(id(module), ()):
             self._shadow_depth[q] += 1
         if self._record_random and id(module) in self._fallback_modules:
-            self._push_random_frame()
+            self._push_random_frame(self._fallback_modules[id(module)])
         return None
 
-    def _push_random_frame(self) -> None:
+    def _push_random_frame(self, name: str) -> None:
         if self._recorder is None:
             self._recorder = _Recorder(on_draw=self._on_random_draw if CHECKPOINTING_SUPPORTED else None)
             self._recorder.__enter__()
-        self._recorder.frames.append([])
+        self._recorder.frames.append(RandomFrame(name))
 
     def _check_checkpointing(self) -> None:
         """Refuse activation checkpointing the engine cannot follow, before the forward pass (training only)."""

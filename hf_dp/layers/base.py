@@ -39,6 +39,15 @@ class UnsupportedModuleError(ValueError):
     """A module whose trainable parameters hf_dp cannot clip per example."""
 
 
+def named_refusal(err: UnsupportedModuleError, name: str, module: nn.Module) -> UnsupportedModuleError:
+    """``err`` naming the module's path in the model (``name``) and its class, for a refusal raised where only the
+    module was known (a rule's ``per_example_grads``, the fallback's re-run); ``err`` itself if it names the path."""
+    message = str(err)
+    if f"`{name}`" in message:
+        return err
+    return type(err)(f"`{name}` ({type(module).__name__}): {message}")
+
+
 class NeedsFallback(UnsupportedModuleError):
     """Raised by a rule's ``check`` for a configuration its closed form does not cover but torch.func does."""
 

@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from .base import UnsupportedModuleError
 
-__all__ = ["RandomRecorder", "RandomReplayer", "draws_random_numbers"]
+__all__ = ["RandomFrame", "RandomRecorder", "RandomReplayer", "draws_random_numbers"]
 
 #: Random draws whose output is recorded as is.
 RANDOM_DRAWS = {
@@ -129,6 +129,14 @@ def _keep(shape: tuple[int, ...], p: float, like: Tensor) -> Tensor:
     return torch.rand(shape, device=like.device) >= p
 
 
+class RandomFrame(list):
+    """The draws recorded for one call in progress, and the path of its module in the model (for refusals)."""
+
+    def __init__(self, name: str = "") -> None:
+        super().__init__()
+        self.name = name
+
+
 class RandomRecorder(TorchFunctionMode):
     """Records the random draws of the fallback-covered calls in progress (:attr:`frames`, innermost last)."""
 
@@ -148,9 +156,10 @@ class RandomRecorder(TorchFunctionMode):
         if not self.frames or not torch.is_grad_enabled():
             return func(*args, **kwargs)
         if func in _UNREPLAYABLE:
+            where = getattr(self.frames[-1], "name", "") or "a module"
             raise UnsupportedModuleError(
-                f"`{getattr(func, '__name__', func)}` draws random numbers inside a module covered by the torch.func "
-                "fallback in a way hf_dp cannot replay per example. Set its probability to 0 or freeze the module."
+                f"`{getattr(func, '__name__', func)}` draws random numbers inside `{where}`, covered by the torch.func "
+                "fallback, in a way hf_dp cannot replay per example. Set its probability to 0 or freeze the module."
             )
         p = _dropout_p(func, args, kwargs)
         if p is not None:

@@ -170,3 +170,14 @@ def test_lycoris_on_a_convolution_goes_to_the_fallback_exactly(float64, kind, mo
     batches = [{"pixels": torch.randn(4, 3, 5, 5)}, {"pixels": torch.randn(3, 3, 5, 5)}]
     clipper = check_clipper_seeded(model, batches, _conv_loss, mode=mode, masked_dropout=False)
     assert clipper.rules_used["base_model.model.conv"] == "FallbackRule"
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr"])
+def test_lycoris_draws_under_activation_checkpointing(float64, kind):
+    """Non-reentrant checkpointing recomputes each layer in the backward pass (torch restores the random state, so
+    the recomputation draws what the forward drew); the rule reads the draws recorded in the recomputation."""
+    torch.manual_seed(0)
+    model, batches, loss = _model(kind, "llama", module_dropout=0.5, rank_dropout=0.3)
+    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    clipper = check_clipper_seeded(model, batches, loss, mode="bk-mixopt", masked_dropout=False)
+    assert RULE[kind] in clipper.rules_used.values()

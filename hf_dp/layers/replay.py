@@ -126,7 +126,9 @@ def _attention(args: tuple, kwargs: dict, mask_for) -> Tensor:
 
 
 def _keep(shape: tuple[int, ...], p: float, like: Tensor) -> Tensor:
-    return torch.rand(shape, device=like.device) >= p
+    """A kept mask drawn as torch's own (non-fused) dropout draws it, ``bernoulli_(1 - p)`` on a tensor of the input's
+    dtype: on CPU the forward pass draws what it would draw without hf_dp, and training's random stream is the same."""
+    return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(1 - p).bool()
 
 
 class RandomFrame(list):

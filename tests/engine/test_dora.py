@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers.models import causal_batches, causal_loss, gpt2, llama
 from helpers.oracle import check_clipper, clip_factors
-from helpers.random_oracle import MaskedDropout, check_clipper_seeded
+from helpers.random_oracle import check_clipper_seeded
 from helpers.trainer import (
     ToyDataset,
     causal_per_example_loss,
@@ -84,11 +84,12 @@ def test_dora_through_the_trainer_is_exact(float64, tmp_dir):
 @pytest.mark.parametrize("p", [0.05, 0.5])
 @pytest.mark.parametrize("factory", [gpt2_dora, llama_dora], ids=["gpt2-conv1d", "llama"])
 def test_dora_with_lora_dropout_is_exact(float64, factory, p, mode):
-    """The oracle's forward pass draws the engine's dropout masks (same seed, ``MaskedDropout``); the engine's
-    backward pass leaves torch's random stream where its forward pass left it."""
+    """The oracle's forward pass is plain torch (its own ``F.dropout``) from the engine's seed: on CPU the engine
+    draws each mask as torch's dropout does, so both see the same masks; the engine's backward pass leaves torch's
+    random stream where its forward pass left it."""
     torch.manual_seed(0)
     model = factory(lora_dropout=p)
-    clipper = check_clipper_seeded(model, causal_batches(), causal_loss, mode=mode)
+    clipper = check_clipper_seeded(model, causal_batches(), causal_loss, mode=mode, masked_dropout=False)
     assert "FallbackRule" in clipper.rules_used.values()
 
 
@@ -138,9 +139,9 @@ def _train_one_step(model, tmp_dir, clip, self_check=False):
 
 def test_dora_with_lora_dropout_through_the_trainer_is_exact(float64, tmp_dir):
     """One SGD step is minus the clipped mean of per-example autograd gradients of the forward passes the trainer
-    ran, each replayed on an untouched copy from its recorded random state, the masks drawn as the engine draws them
-    (``MaskedDropout``). A first run records those states; the second, with C the median oracle norm, is checked.
-    The first-step self-check (on by default; its training-mode pass compares like with like) passes too."""
+    ran, each replayed by plain torch on an untouched copy from its recorded random state. A first run records those
+    states; the second, with C the median oracle norm, is checked. The first-step self-check (on by default; its
+    training-mode pass compares like with like) passes too."""
     torch.manual_seed(0)
     original = gpt2_dora(lora_dropout=0.5)
     _train_one_step(copy.deepcopy(original), tmp_dir, clip=1.0, self_check=True)
@@ -151,9 +152,8 @@ def test_dora_with_lora_dropout_through_the_trainer_is_exact(float64, tmp_dir):
     grads = []
     for state, batch in calls:
         torch.set_rng_state(state)
-        with MaskedDropout():
-            labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-            losses = causal_per_example_loss(reference, {**batch, "labels": labels})
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        losses = causal_per_example_loss(reference, {**batch, "labels": labels})
         grads += [torch.autograd.grad(loss, params, retain_graph=True) for loss in losses]
     norms = torch.stack([torch.sqrt(sum((g**2).sum() for g in gi)) for gi in grads])
     clip = float(norms.median())

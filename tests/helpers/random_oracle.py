@@ -4,9 +4,10 @@ LyCORIS ``module_dropout`` and ``rank_dropout``): the oracle's forward pass draw
 Each batch's two forward passes (the oracle's, on an untouched copy of the model, and the engine's) start from the
 same seed. A draw a module makes as is (``torch.rand(1)``, a rank-dropout mask) is then the same in both by the seed
 alone. A dropout inside a module the engine re-runs per example is drawn by the engine as a kept mask
-``torch.rand(shape) >= p`` (:mod:`hf_dp.layers.replay`; torch's own dropout draws Bernoulli numbers another way), so
-the oracle computes every dropout with ``p > 0`` so too (:class:`MaskedDropout`): the masks are inputs of the
-forward pass, the gradients the oracle compares with are plain autograd's, one example at a time.
+``bernoulli_(1 - p)`` on a tensor of the input's dtype (:mod:`hf_dp.layers.replay`), as torch's own dropout draws it
+on CPU (its fused CUDA kernel draws otherwise); :class:`MaskedDropout` makes the oracle draw every dropout with
+``p > 0`` so on any device: the masks are inputs of the forward pass, the gradients the oracle compares with are
+plain autograd's, one example at a time.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ __all__ = ["MaskedDropout", "check_clipper_seeded"]
 
 
 class MaskedDropout(TorchFunctionMode):
-    """``F.dropout(x, p)`` in training as ``x * (torch.rand(x.shape) >= p) / (1 - p)``."""
+    """``F.dropout(x, p)`` in training as ``x * mask / (1 - p)``, the mask drawn as the engine's recorder draws it."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -36,7 +37,7 @@ class MaskedDropout(TorchFunctionMode):
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
             training = kwargs.get("training", args[2] if len(args) > 2 else True)
             if training and p > 0:
-                keep = torch.rand(tuple(x.shape), device=x.device) >= p
+                keep = torch.empty_like(x).bernoulli_(1 - p).bool()
                 return x * keep.to(x.dtype) / (1 - p)
         return func(*args, **kwargs)
 

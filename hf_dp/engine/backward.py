@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ..layers import UnsupportedModuleError
+from ..layers.base import named_refusal
 from ..layers.grads import (
     FactoredGrad,
     InstantiatedGrad,
@@ -187,7 +188,13 @@ class BackwardBookkeeping:
         use.processed = True
         p.grad_events += 1
         with own_saved_tensors():  # a recomputation may be in progress (its inputs just arrived)
-            self._process(p, use, grad)
+            try:
+                self._process(p, use, grad)
+            except UnsupportedModuleError as err:  # a rule's refusal knows the module, not its path: name it
+                named = named_refusal(err, use.entry.name, use.entry.module)
+                if named is err:
+                    raise
+                raise named from err
 
     def _process(self, p, use: Use, grad) -> None:
         grads = self._per_example_grads(use, grad)

@@ -36,6 +36,11 @@ def _top_mode():
     return torch._C._get_function_stack_at(n - 1) if n > 0 else None
 
 
+def _records_random(entry: HookedModule) -> bool:
+    """Whether the random draws of ``entry``'s calls are recorded (a frame was pushed at its start)."""
+    return entry.is_fallback or entry.rule.records_random
+
+
 def storage_root(t: Tensor) -> tuple[Tensor, torch.Size | None]:
     """The tensor whose hook sees ``t``'s gradient even after an in-place write on ``t`` or on a view of it, and the
     shape to view that gradient as (``None``: ``t`` itself). A hook on a view is dropped from the graph when the view
@@ -76,7 +81,7 @@ class CallCapture:
             region = self._reentrant_region(entry.name, region)
         frame = self._forward_region(entry.name, region)
         reentrant = region is not None and region[0] == "reentrant"
-        random = self._pop_random_frame() if entry.is_fallback and self._record_random else []
+        random = self._pop_random_frame() if _records_random(entry) and self._record_random else []
         if frame is not None:
             random = []  # recorded again in the recomputation, which draws the same numbers
         shadowing = plan.shadowing.get(id(entry), ())
@@ -134,6 +139,8 @@ class CallCapture:
             use, new_output = self._capture_fallback(entry, params, module, args, kwargs, output, layout, random, frame)
         else:
             use, new_output = self._capture_closed_form(entry, params, module, args, kwargs, output, layout, frame)
+            if use.captured is not None:
+                use.captured.random = random
         if frame is not None:
             self._region(frame).records.append((entry, use))
         return new_output
@@ -286,7 +293,7 @@ class CallCapture:
             region.cursor = 0  # a new recomputation of the region (another backward pass)
         recorded, use = region.records[region.cursor]
         region.cursor += 1
-        random = self._pop_random_frame() if entry.is_fallback and p.record_random else []
+        random = self._pop_random_frame() if _records_random(entry) and p.record_random else []
         if recorded is not entry:
             raise UnsupportedModuleError(
                 f"The recomputation of a checkpointed region called `{entry.name}` where its forward pass called "
@@ -311,6 +318,7 @@ class CallCapture:
                 use.captured = self._fallback_inputs(args, kwargs, use.layout, random)
             else:
                 use.captured = self._closed_form_inputs(entry, module, args, kwargs, output)
+                use.captured.random = random
             if use.pending_grad is not None:  # the output gradient arrived before the recomputation
                 grad, use.pending_grad = use.pending_grad, None
                 self._on_grad(use, grad)

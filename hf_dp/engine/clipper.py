@@ -186,7 +186,7 @@ class BookKeepingClipper(
         self._force_ghost_diff = False
         self._shadow_depth: dict[nn.Parameter, int] = defaultdict(int)
         self._shadow_start: dict[int, list[nn.Parameter]] = {}
-        self._fallback_modules: set[int] = set()
+        self._fallback_modules: dict[int, str] = {}  # id -> path of the modules whose random draws are recorded
         self._record_random = False
         self._recorder = None
         self._origins: dict[tuple, Tensor] = {}

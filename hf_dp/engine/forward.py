@@ -20,7 +20,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from ..layers import UnsupportedModuleError
 from ..layers.grads import compute_dtype
-from ..layers.replay import RandomRecorder, draws_random_numbers
+from ..layers.replay import RandomFrame, RandomRecorder, draws_random_numbers
 from .batch import RootBatch, root_batch
 from .checkpointing import (
     CHECKPOINTING_SUPPORTED,
@@ -51,12 +51,20 @@ class ForwardHooks:
 
     @contextlib.contextmanager
     def _inert(self):
-        """Every hook of the engine stands aside (the engine runs the model, a rule or the self-check itself)."""
+        """Every hook of the engine stands aside (the engine runs the model, a rule or the self-check itself), the
+        recorder of random draws too: a probe or rule check run inside a fallback module's forward (a layout proven
+        again mid-pass) draws numbers of its own, which are no draws of that module."""
+        recorder = self._recorder
+        frames = recorder.frames if recorder is not None else None
+        if recorder is not None:
+            recorder.frames = []
         self._internal += 1
         try:
             yield
         finally:
             self._internal -= 1
+            if recorder is not None:
+                recorder.frames = frames
 
     def _names(self) -> tuple[dict[int, str], dict[nn.Parameter, str]]:
         modules = {}
@@ -108,7 +116,9 @@ class ForwardHooks:
         for module in modules.values():
             if module is not self.model:  # the root's own start is handled by the root pre-hook
                 self._plan_handles.append(module.register_forward_pre_hook(ModelHook(self._on_module_start)))
-        self._fallback_modules = {id(entry.module) for entry in plan.hooked if entry.is_fallback}
+        # the modules whose random draws are recorded: the fallback's (replayed in its re-run), and those of rules
+        # that read them
+        self._fallback_modules = {id(e.module): e.name for e in plan.hooked if e.is_fallback or e.rule.records_random}
         self._shadow_start = {}
         for entry in plan.hooked:
             self._shadow_start.setdefault(id(entry.module), []).extend(plan.shadowing.get(id(entry), ()))
@@ -256,14 +266,14 @@ class ForwardHooks:
         for q in self._shadow_start.get(id(module), ()):
             self._shadow_depth[q] += 1
         if self._record_random and id(module) in self._fallback_modules:
-            self._push_random_frame()
+            self._push_random_frame(self._fallback_modules[id(module)])
         return None
 
-    def _push_random_frame(self) -> None:
+    def _push_random_frame(self, name: str) -> None:
         if self._recorder is None:
             self._recorder = _Recorder(on_draw=self._on_random_draw if CHECKPOINTING_SUPPORTED else None)
             self._recorder.__enter__()
-        self._recorder.frames.append([])
+        self._recorder.frames.append(RandomFrame(name))
 
     def _check_checkpointing(self) -> None:
         """Refuse activation checkpointing the engine cannot follow, before the forward pass (training only)."""

@@ -161,7 +161,7 @@ class CheckpointRegions:
             self._recomputing = True
             self._set_trainable_requires_grad(False)
         if p.record_random and id(module) in self._fallback_modules:
-            self._push_random_frame()
+            self._push_random_frame(self._fallback_modules[id(module)])
 
     def _recompute_leave(self) -> None:
         """Parameters back in autograd after the backward pass (``finish()``), or when a pass was abandoned."""

@@ -10,6 +10,8 @@ from . import (  # noqa: F401
     embedding_bag,
     layernorm,
     linear,
+    loha,
+    lokr,
     lora,
     prefix,
     rmsnorm,

@@ -39,6 +39,15 @@ class UnsupportedModuleError(ValueError):
     """A module whose trainable parameters hf_dp cannot clip per example."""
 
 
+def named_refusal(err: UnsupportedModuleError, name: str, module: nn.Module) -> UnsupportedModuleError:
+    """``err`` naming the module's path in the model (``name``) and its class, for a refusal raised where only the
+    module was known (a rule's ``per_example_grads``, the fallback's re-run); ``err`` itself if it names the path."""
+    message = str(err)
+    if f"`{name}`" in message:
+        return err
+    return type(err)(f"`{name}` ({type(module).__name__}): {message}")
+
+
 class NeedsFallback(UnsupportedModuleError):
     """Raised by a rule's ``check`` for a configuration its closed form does not cover but torch.func does."""
 
@@ -109,6 +118,9 @@ class LayerRule:
     #: Unused since the engine proves and expands broadcast (size-1) batch dimensions itself; kept for rules that
     #: set it.
     expands_batch_one: bool = False
+    #: Whether the rule reads the random draws of each call (``captured.random``, recorded in the forward pass as for
+    #: the fallback, :mod:`.replay`): a module whose draws decide what it computed (peft's LyCORIS module dropout).
+    records_random: bool = False
 
     def check(self, module: nn.Module, name: str) -> None:
         """Raise :class:`UnsupportedModuleError` if this configuration of the module is not supported."""

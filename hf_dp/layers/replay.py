@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from .base import UnsupportedModuleError
 
-__all__ = ["RandomRecorder", "RandomReplayer", "draws_random_numbers"]
+__all__ = ["RandomFrame", "RandomRecorder", "RandomReplayer", "draws_random_numbers"]
 
 #: Random draws whose output is recorded as is.
 RANDOM_DRAWS = {
@@ -126,7 +126,17 @@ def _attention(args: tuple, kwargs: dict, mask_for) -> Tensor:
 
 
 def _keep(shape: tuple[int, ...], p: float, like: Tensor) -> Tensor:
-    return torch.rand(shape, device=like.device) >= p
+    """A kept mask drawn as torch's own (non-fused) dropout draws it, ``bernoulli_(1 - p)`` on a tensor of the input's
+    dtype: on CPU the forward pass draws what it would draw without hf_dp, and training's random stream is the same."""
+    return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(1 - p).bool()
+
+
+class RandomFrame(list):
+    """The draws recorded for one call in progress, and the path of its module in the model (for refusals)."""
+
+    def __init__(self, name: str = "") -> None:
+        super().__init__()
+        self.name = name
 
 
 class RandomRecorder(TorchFunctionMode):
@@ -148,9 +158,10 @@ class RandomRecorder(TorchFunctionMode):
         if not self.frames or not torch.is_grad_enabled():
             return func(*args, **kwargs)
         if func in _UNREPLAYABLE:
+            where = getattr(self.frames[-1], "name", "") or "a module"
             raise UnsupportedModuleError(
-                f"`{getattr(func, '__name__', func)}` draws random numbers inside a module covered by the torch.func "
-                "fallback in a way hf_dp cannot replay per example. Set its probability to 0 or freeze the module."
+                f"`{getattr(func, '__name__', func)}` draws random numbers inside `{where}`, covered by the torch.func "
+                "fallback, in a way hf_dp cannot replay per example. Set its probability to 0 or freeze the module."
             )
         p = _dropout_p(func, args, kwargs)
         if p is not None:
@@ -222,8 +233,11 @@ class RandomReplayer(TorchFunctionMode):
 
 
 def _cut(recorded: Tensor, shape: tuple[int, ...], batch_size: int, example: int, error) -> Tensor:
-    """The rows of ``example`` in ``recorded``, which holds ``batch_size`` examples of ``shape`` along one dimension."""
-    if tuple(recorded.shape) == shape and batch_size == 1:
+    """The rows of ``example`` in ``recorded``, which holds ``batch_size`` examples of ``shape`` along one dimension;
+    ``recorded`` itself where the re-run draws the shape the forward drew: a draw for the whole call, not per example
+    (peft's LyCORIS ``torch.rand(1) > module_dropout``, which keeps or drops the adapter for the whole batch, and its
+    rank-dropout mask over the output rows), which every example's re-run must see as the forward drew it."""
+    if tuple(recorded.shape) == shape:
         return recorded
     if recorded.dim() != len(shape):
         raise error()

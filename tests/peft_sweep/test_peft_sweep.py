@@ -84,15 +84,7 @@ SAMPLE: dict[str, tuple[str, ...]] = {
 
 #: Known open cases: each is ``xfail(strict=False)`` until its fix lands; remove an entry once it is fixed (the test
 #: then asserts it like every other tuner).
-KNOWN_OPEN: dict[str, str] = {
-    "loha": "LyCORIS module dropout draws torch.rand(1) in every training forward: the replay refuses without a "
-    "module path (random draws of PEFT layers, issue 38)",
-    "lokr": "as LoHa: LyCORIS module dropout's draw (random draws of PEFT layers, issue 38)",
-    "lora-dora-dropout": "DoRA with lora_dropout: the replay refuses without a module path (random draws of PEFT "
-    "layers, issue 38)",
-    "poly": "Poly's router samples a RelaxedBernoulli in training: the replay refuses naming the class `Linear`, not "
-    "the module path (the random-draws branch of issue 38 names the path)",
-}
+KNOWN_OPEN: dict[str, str] = {}
 #: Tuners that must be exact in every mode on every model peft builds them on: a refusal of one of these is a failure
 #: (issue 38: parameter hooks, outputs copied along the batch, random draws of PEFT layers).
 MUST_BE_EXACT: frozenset[str] = frozenset(

@@ -11,6 +11,8 @@ experts, against the float64 per-example oracle (issue 38, item 7).
   for training: after the eval-mode probe on two examples, a training batch of three dropped tokens that each example
   alone keeps (examples coupled, 0.8x to 5x the oracle). The engine now puts every module's attributes back after its
   own runs of the model (``hf_dp.engine.module_state``).
+- **Random draws over routed rows.** The experts' token dropout draws one mask over an expert's rows in the router's
+  order; the fallback's replay cannot cut it per example: refused, naming the experts container.
 """
 
 from __future__ import annotations

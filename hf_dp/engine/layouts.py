@@ -305,8 +305,10 @@ _LISTING = ("parameters", "named_parameters", "_named_members", "named_modules",
 
 
 def _signature(run: ProbeRun, relevant: Callable[[nn.Module], bool]) -> list[tuple[tuple[int, int], int]]:
-    """``((module, ordinal), index)`` of the run's calls of relevant modules, in order."""
-    return [((id(c.module), c.ordinal), c.index) for c in run.calls if relevant(c.module)]
+    """``((module, ordinal), index)`` of the run's calls of relevant modules, in order. Routed calls (rows chosen by
+    the data's values, :mod:`.routing`) are left out: they get no layout, and which of them run (the experts a
+    token picks) may differ between the runs."""
+    return [((id(c.module), c.ordinal), c.index) for c in run.calls if relevant(c.module) and c.index not in run.routed]
 
 
 def _control_flow_message(sig_one, sig_two, one: ProbeRun, two: ProbeRun, names: dict[int, str]) -> str:

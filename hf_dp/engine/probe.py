@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..layers import Layout
 from ..layers.base import autocast_state
+from .routing import RowTracker
 
 __all__ = [
     "MIXED",
@@ -94,7 +95,8 @@ def _differentiable(out) -> bool:
 
 class UseRecorder(TorchFunctionMode):
     """Calls ``on_use(param, func)`` for every torch function that takes a trainable parameter and returns a
-    floating-point tensor (a use whose gradient flows), optionally only while gradients are enabled."""
+    floating-point tensor (a use whose gradient flows), optionally only while gradients are enabled; and
+    ``observer(func, args, kwargs, out)``, if given, for every torch function."""
 
     def __init__(
         self,
@@ -102,14 +104,18 @@ class UseRecorder(TorchFunctionMode):
         on_use: Callable[[nn.Parameter, Any], None],
         *,
         grad_mode_only: bool = False,
+        observer: Callable[[Any, tuple, dict | None, Any], None] | None = None,
     ) -> None:
         super().__init__()
         self.params = params
         self.on_use = on_use
         self.grad_mode_only = grad_mode_only
+        self.observer = observer
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **kwargs) if kwargs else func(*args)
+        if self.observer is not None:
+            self.observer(func, args, kwargs, out)
         if func in _NOT_USES:
             return out
         found = _params_in(args, kwargs, self.params)
@@ -184,6 +190,7 @@ class ProbeRun:
     uses: dict[nn.Parameter, list[int]]
     output: Any
     traced: frozenset[int] = frozenset()  # ids of the parameters whose uses were recorded
+    routed: frozenset[int] = frozenset()  # calls whose rows the data's values chose (:mod:`.routing`), if tracked
 
 
 @contextlib.contextmanager
@@ -273,6 +280,8 @@ class Prober:
         self._counts: dict[int, int] = {}
         self._uses: dict[nn.Parameter, list[int]] = {}
         self._output_hook: Callable[[CallRecord, Any], Any] | None = None
+        self._rows: RowTracker | None = None
+        self._routing = False  # an earlier run found routed calls: the later runs track rows too
 
     def __enter__(self) -> Prober:
         for module in self.model.modules():
@@ -300,6 +309,8 @@ class Prober:
         record.autocast = autocast_state()
         calls.append(record)
         stack.append(record.index)
+        if self._rows is not None:
+            self._rows.enter(record.index, record.parent, record.in_leaves)
 
     def _post(self, module, args, kwargs, output):
         calls, stack = self._calls, self._stack
@@ -312,6 +323,8 @@ class Prober:
                 output = replaced
         record.output = output
         record.out_leaves = flatten_output(output)
+        if self._rows is not None:
+            self._rows.leave(record.index, record.out_leaves)
         return output
 
     def _on_use(self, p: nn.Parameter, func) -> None:
@@ -329,21 +342,31 @@ class Prober:
         *,
         uses: bool = True,
         output_hook: Callable[[CallRecord, Any], Any] | None = None,
+        rows: bool | None = None,
     ) -> ProbeRun:
-        """One run of ``model(*args, **kwargs)`` without gradients, recording every module call, and (``uses``)
-        every use of the ``params`` by the innermost module call in progress."""
+        """One run of ``model(*args, **kwargs)`` without gradients, recording every module call, (``uses``) every
+        use of the ``params`` by the innermost module call in progress, and (``rows``; by default with ``uses``, or
+        when an earlier run found some) the calls whose rows the data's values chose (:class:`~.routing.RowTracker`:
+        left out when the runs' calls are matched, since which experts run may differ)."""
         if self._calls is not None:
             raise RuntimeError("a probe run is already in progress")
         calls: list[CallRecord] = []
         self._calls, self._stack, self._counts, self._uses = calls, [], {}, {}
         self._output_hook = output_hook
         recorded = self._uses
+        track = (uses or self._routing) if rows is None else rows
+        tracker = self._rows = RowTracker.for_model(self.model) if track else None
+        observer = None if tracker is None else tracker.observe
         try:
-            with torch.no_grad(), UseRecorder(params, self._on_use) if uses else contextlib.nullcontext():
+            recorder = UseRecorder(params if uses else {}, self._on_use, observer=observer)
+            with torch.no_grad(), recorder if uses or tracker else contextlib.nullcontext():
                 output = self.model(*args, **kwargs)
         finally:
             self._calls, self._stack, self._counts, self._uses, self._output_hook = None, [], {}, {}, None
-        return ProbeRun(calls, recorded, output, frozenset(params) if uses else frozenset())
+            self._rows = None
+        routed = frozenset(tracker.routed_calls) if tracker is not None else frozenset()
+        self._routing = self._routing or bool(routed)
+        return ProbeRun(calls, recorded, output, frozenset(params) if uses else frozenset(), routed)
 
 
 def run_probe(

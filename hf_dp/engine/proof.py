@@ -21,6 +21,7 @@ from ..layers import ScaledRule, UnsupportedModuleError
 from .batch import RootBatch, check_bags, describe, slice_batch
 from .checkpointing import own_saved_tensors
 from .coverage import HookedModule
+from .module_state import kept_state
 from .planner import CallLayout, Plan, build_plan, expansion_changes_output, fits, needs_third_run
 from .probe import Prober, frozen_rng, probe_mode, run_expanded, run_probe
 from .shared_outputs import copied_calls
@@ -66,16 +67,16 @@ class PlanProof:
         def third_run():
             # made when the plan first reads a leaf that is a tensor in one of the first two runs only
             try:
-                with Prober(self.model) as prober:
+                with prober:  # the first two runs' prober again (it tracks rows if the first run found them routed)
                     return prober.run(*slice_batch(args, kwargs, batch, [second, second, first]), params, uses=False)
             except UnsupportedModuleError:
                 raise
             except Exception as err:
                 raise failed(err) from err
 
-        # one eval mode, and one set of probe hooks for the first two runs
+        # one eval mode, one set of probe hooks for runs 1-2 (maybe in a checkpointed region), module state put back
         mode = probe_mode(self.model, training_like)
-        with self._inert(), frozen_rng(devices), own_saved_tensors(), mode:  # maybe inside a checkpointed region
+        with self._inert(), frozen_rng(devices), kept_state(self.model), own_saved_tensors(), mode:
             try:
                 with Prober(self.model) as prober:
                     one = prober.run(*slice_batch(args, kwargs, batch, [first]), params)
@@ -194,7 +195,7 @@ class PlanProof:
         # in eval mode first (dropout off, as the plan was proven); a model in training whose training forward takes
         # another path (XLNet returns its memories in eval mode only) then in its training flags, dropout off
         modes = [False, True] if any(m.training for m in self.model.modules()) else [False]
-        with self._inert(), frozen_rng(devices):
+        with self._inert(), frozen_rng(devices), kept_state(self.model):
             for training_like, j in ((t, j) for t in modes for j in (range(1, batch.size) if batch.size > 1 else [0])):
                 two = run_probe(
                     self.model,

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from ..layers import UnsupportedModuleError
 from .batch import root_batch, slice_batch
 from .checkpointing import graph_leaves
+from .module_state import kept_state
 from .probe import frozen_rng
 
 logger = logging.getLogger("hf_dp")
@@ -100,7 +101,7 @@ def self_check(
     names = {p: n for n, p in model.named_parameters()}
     flags = [(m, m.training) for m in model.modules()]
     devices = sorted({p.device for p in model.parameters()}, key=str)
-    with frozen_rng(devices):
+    with frozen_rng(devices), kept_state(model):  # training then computes what it would without the check
         model.eval()
         try:
             engine = clipper._parameter_norms(inputs, per_example_loss)
@@ -128,7 +129,8 @@ def self_check(
     tol, own_tol, floor = _tolerances(trainable)
     worst = _compare(engine, reference, trainable, names, (tol, own_tol, floor), "")
     if any(flag for _, flag in flags):  # training runs (part of) the model in training mode: check that mode too
-        trained = _training_mode_norms(clipper, inputs, per_example_loss, trainable, count, devices)
+        with kept_state(model):
+            trained = _training_mode_norms(clipper, inputs, per_example_loss, trainable, count, devices)
         if trained is not None:
             worst = max(worst, _compare(*trained, trainable, names, (tol, own_tol, floor), " in training mode"))
     return worst

@@ -14,6 +14,7 @@ import logging
 from torch import nn
 
 from ..layers import FALLBACK_RULE, UnsupportedModuleError
+from ..layers.replay import ROWS_BY_VALUES
 from .coverage import HookedModule
 from .layouts import Layouts, closed_form_layout, describe_layout, fallback_layout, reruns_alone
 from .probe import CallRecord, ProbeRun
@@ -54,6 +55,8 @@ def cover_uses(
             if coverer is None:
                 raise _uncovered(p, one.calls[index], owner, layouts, names, param_names, allow_fallback)
             chosen.setdefault(p, set()).add(id(coverer))
+    _mark_routed_holders(one, names)
+    _claim_unprobed(one, entries, promoted, chosen)
     _merge_nested_fallbacks(one, calls_of, entries, promoted, chosen, names)
     final = _keep_chosen(entries, promoted, chosen)
     _warn_promoted(final, param_names)
@@ -110,6 +113,42 @@ def _promoted_fallback(promoted: dict[int, HookedModule], module: nn.Module, nam
 def _add_param(entry: HookedModule, p: nn.Parameter) -> None:
     if not any(q is p for q in entry.params):
         entry.params.append(p)
+
+
+def _claim_unprobed(
+    one: ProbeRun, entries: list[HookedModule], promoted: dict[int, HookedModule], chosen: dict[nn.Parameter, set[int]]
+) -> None:
+    """A parameter that no probe call used, inside a fallback promoted around routed calls (:mod:`.routing`: an
+    expert module that no token of the probed examples picked), goes to the innermost such fallback: another batch
+    may route tokens to it, inside that fallback's forward, which covers every use there. Left to its own rule, it
+    would have no layout proven when it is called, and no sub-batch need take that path to prove one."""
+    around = _routed_holders(one)
+    fallbacks = {id(e.module): e for e in entries if e.is_fallback} | promoted
+    holders = [e for key, e in fallbacks.items() if key in around]
+    if not holders:
+        return
+    trainable = {id(p): p for e in entries for p in e.params if p not in one.uses and p not in chosen}
+    for entry in sorted(holders, key=lambda e: -e.name.count(".")):  # the innermost first
+        for p in entry.module.parameters():
+            if trainable.pop(id(p), None) is not None:
+                _add_param(entry, p)
+                chosen[p] = {id(entry)}
+
+
+def _routed_holders(one: ProbeRun) -> dict[int, nn.Module]:
+    """The modules of the calls that are not routed but hold routed calls (:mod:`.routing`), by id."""
+    around: dict[int, nn.Module] = {}
+    for index in one.routed:
+        parent = one.calls[index].parent
+        if parent is not None and parent not in one.routed:
+            around[id(one.calls[parent].module)] = one.calls[parent].module
+    return around
+
+
+def _mark_routed_holders(one: ProbeRun, names: dict[int, str]) -> None:
+    """Tell the fallback which modules run submodules on routed rows: it refuses to replay random draws there."""
+    for key, module in _routed_holders(one).items():
+        ROWS_BY_VALUES[module] = names.get(key, type(module).__name__)
 
 
 def _merge_nested_fallbacks(
@@ -205,7 +244,12 @@ def _uncovered(
 ) -> UnsupportedModuleError:
     where = names.get(id(call.module), type(call.module).__name__)
     entry = owner.get((id(call.module), p))
-    if entry is not None and not entry.is_fallback:
+    if call.index in layouts.one.routed:
+        why = (
+            f"the rows `{where}` runs on are chosen by the values of the data (an MoE's token rows of one expert), "
+            "so no run on sub-batches proves which example each row belongs to"
+        )
+    elif entry is not None and not entry.is_fallback:
         outs = layouts.outputs[call.index]
         why = f"the output of `{where}` cannot be split per example: {describe_layout(outs[0] if outs else None)}"
     elif entry is not None:

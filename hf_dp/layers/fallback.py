@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover
 
 from .base import Captured, LayerRule, Layout, UnsupportedModuleError, autocast_like
 from .grads import InstantiatedGrad, PerExampleGrad
-from .replay import RandomReplayer
+from .replay import RandomReplayer, refuse_routed_draws
 
 __all__ = ["FALLBACK_RULE", "FallbackRule"]
 
@@ -253,6 +253,7 @@ def _replay(module: nn.Module, captured: Captured, batch_size: int) -> Callable[
     recorded)."""
     if not captured.random:
         return None
+    refuse_routed_draws(module)
     name = type(module).__name__
 
     def replay(i: int) -> RandomReplayer:

@@ -16,15 +16,27 @@ different sequence of draws in the re-run, raises ``UnsupportedModuleError``.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from .base import UnsupportedModuleError
 
-__all__ = ["RandomFrame", "RandomRecorder", "RandomReplayer", "draws_random_numbers"]
+__all__ = [
+    "ROWS_BY_VALUES",
+    "RandomFrame",
+    "RandomRecorder",
+    "RandomReplayer",
+    "draws_random_numbers",
+    "refuse_routed_draws",
+]
+
+#: Modules (-> their path) that run submodules on rows the data's values choose (an MoE's experts container, found by
+#: the engine's probe): a random draw in their forward may cover those rows, in an order no example's re-run sees.
+ROWS_BY_VALUES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 #: Random draws whose output is recorded as is.
 RANDOM_DRAWS = {
@@ -123,6 +135,20 @@ def _attention(args: tuple, kwargs: dict, mask_for) -> Tensor:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
     weights = scores.softmax(-1)
     return _apply(weights, mask_for(tuple(weights.shape)), p) @ v
+
+
+def refuse_routed_draws(module: nn.Module) -> None:
+    """Raise if ``module`` (whose forward drew random numbers) is or holds a module of :data:`ROWS_BY_VALUES`: a draw
+    over routed rows (token dropout on an expert's rows) has them in the router's order, which cutting it along a
+    dimension of the batch's size cannot undo (its sizes may even match by chance: silently wrong)."""
+    where = next((ROWS_BY_VALUES[m] for m in module.modules() if m in ROWS_BY_VALUES), None)
+    if where is not None:
+        raise UnsupportedModuleError(
+            f"`{where}` runs modules on rows chosen by the data's values (an MoE's experts) and its forward pass draws "
+            "random numbers (dropout in training, e.g. the experts' token dropout): hf_dp cannot replay them per "
+            "example. Set those dropout probabilities to 0 (e.g. `moe_token_dropout`), or freeze the parameters "
+            f"used inside `{where}`."
+        )
 
 
 def _keep(shape: tuple[int, ...], p: float, like: Tensor) -> Tensor:

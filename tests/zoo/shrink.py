@@ -47,6 +47,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # attention every 2nd layer from layer 0, experts on layer 1: both kinds in 2 layers
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 0, "expert_layer_period": 2, "expert_layer_offset": 1},
     "deepseek_v2": {"first_k_dense_replace": 1},
+    # experts in layer 1 of 2 (from the default sparse steps, 2 layers get none)
+    "nllb-moe": {"encoder_sparse_step": 2, "decoder_sparse_step": 2},
+    "switch_transformers": {"encoder_sparse_step": 2, "decoder_sparse_step": 2},
     "deepseek_v3": {"first_k_dense_replace": 1},
     "mamba2": {"num_heads": 8},  # num_heads * head_dim == expand * hidden_size
     "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},

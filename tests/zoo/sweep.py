@@ -489,7 +489,7 @@ def _weighted_oracle(prep: Prepared) -> dict[str, torch.Tensor]:
 def variants_for(task: str, model_type: str, wanted: Sequence[str]) -> list[str]:
     out = []
     for v in wanted:
-        if v == "lora" and task != "causal-lm":
+        if v == "lora" and task not in ("causal-lm", "seq2seq"):
             continue
         out.append(v)
     return out

@@ -17,7 +17,8 @@ from sweep import all_pairs, quiet_transformers, sweep_pair
 #: (task, type) -> the variants run in bk-mixopt; ``default`` also runs in bk and ghost.
 #: Covers the families: GPT-2 (tied Conv1D), Llama-style (RMSNorm, rotary, GQA), sliding window, MoE routers and
 #: experts (float64 batched_mm, float32 grouped_mm, the eager expert loop), encoder-only, encoder-decoder with
-#: relative attention bias, vision transformers; LoRA ``all-linear`` on dense and MoE decoders.
+#: relative attention bias, vision transformers; LoRA ``all-linear`` on dense and MoE decoders, and on the expert
+#: modules of seq2seq MoEs (nllb-moe, Switch: one module per expert, run on the token rows the router picks).
 SAMPLE: dict[tuple[str, str], tuple[str, ...]] = {
     ("causal-lm", "gpt2"): ("default", "eager", "lora"),
     ("causal-lm", "llama"): ("default", "eager", "lora"),
@@ -43,6 +44,8 @@ SAMPLE: dict[tuple[str, str], tuple[str, ...]] = {
     ("seq2seq", "bart"): ("default", "eager"),
     ("seq2seq", "mt5"): ("default",),
     ("seq2seq", "marian"): ("default",),
+    ("seq2seq", "nllb-moe"): ("default", "lora"),
+    ("seq2seq", "switch_transformers"): ("lora",),
     ("token-cls", "bert"): ("default",),
     ("token-cls", "roberta"): ("default",),
     ("token-cls", "electra"): ("default",),

@@ -50,6 +50,70 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
         ["test_dora::test_dora_is_exact", "test_dora::test_dora_through_the_trainer_is_exact"],
     ),
     (
+        "PEFT DoRA with `lora_dropout > 0` (peft's DoRA example, TRL's default 0.05)",
+        f"exact: {ALL}",
+        "fallback on the adapted layer with the forward's dropout mask replayed",
+        [
+            "test_dora::test_dora_with_lora_dropout_is_exact",
+            "test_dora::test_dora_with_lora_dropout_through_the_trainer_is_exact",
+        ],
+    ),
+    (
+        "Every PEFT tuner of peft 0.21 (45 types, LoRA's variants) on GPT-2, Llama, BERT and T5",
+        "exact: bk, bk-mixopt, ghost (180 of 186 built runs per mode); Lily and Poly refused naming the module",
+        "closed forms or the fallback; per tuner: [peft.md](peft.md)",
+        ["peft_sweep.test_peft_sweep::test_peft_sample", "peft_sweep.test_peft_sweep::test_peft_full"],
+    ),
+    (
+        "PEFT prompt tuning, P-tuning, multitask prompt tuning, CPT (a prompt encoder run once, copied along a batch)",
+        f"exact: {ALL}",
+        "each copy's output gradient is its example's; a shared output that reaches the loss otherwise is refused",
+        [
+            "test_prompt_tuners::test_prompt_learning_is_exact",
+            "test_prompt_tuners::test_any_output_copied_along_the_batch_is_exact",
+            "test_prompt_tuners::test_prompt_tuning_through_the_trainer_is_exact",
+        ],
+    ),
+    (
+        "PEFT LoHa, LoKr on `nn.Linear` (module and rank dropout included)",
+        f"exact: {ALL}",
+        "closed forms reading the forward's recorded draws; on convolutions the fallback replays them",
+        ["test_lycoris::test_lycoris_is_exact", "test_lycoris::test_module_and_rank_dropout_are_read"],
+    ),
+    (
+        "Gradient hooks on trainable parameters (`p.register_hook`: peft's OSF, CPT)",
+        f"exact: {ALL}",
+        "the hooks applied to each example's gradient before its norm; post-accumulate-grad and module backward "
+        "hooks refused naming the parameter or module",
+        [
+            "test_param_hooks::test_osf_projections_applied_per_example",
+            "test_param_hooks::test_hand_written_hooks_exact",
+            "test_param_hooks::test_post_accumulate_grad_hook_refused_at_construction",
+            "test_param_hooks::test_module_backward_hooks_refused",
+        ],
+    ),
+    (
+        "QLoRA: bitsandbytes 4-bit nf4 base + LoRA `all-linear`, bf16/fp16/fp32 compute, gradient checkpointing (CPU)",
+        "exact: bk-mixopt; DPTrainer and DPSFTTrainer",
+        "LoRA closed form; bitsandbytes' CPU repacking held off ([qlora.md](qlora.md))",
+        [
+            "test_qlora::test_qlora_per_example_gradients_are_exact",
+            "test_qlora::test_one_dp_trainer_step_is_exact",
+            "test_qlora::test_one_dp_sft_trainer_step_is_exact",
+        ],
+    ),
+    (
+        "Packed sequences (TRL's padding-free `packing=True`: `position_ids` restarting per sequence)",
+        "exact per sequence: bk, bk-mixopt, ghost",
+        "token-wise rules on the rows re-laid `[S, L, ...]`; any other trainable module, or sequences that see each "
+        "other, refused by name",
+        [
+            "test_packed_sequences::test_gpt2_tied_per_sequence",
+            "test_packed_sequences::test_lora_per_sequence",
+            "test_packed_sequences::test_sequences_that_attend_to_each_other_are_refused",
+        ],
+    ),
+    (
         "OPT (125m and 350m style)",
         f"exact: {ALL}",
         "closed forms on the flattened `[B*T, d]` rows (proven contiguous per example)",
@@ -71,6 +135,17 @@ ARCHITECTURES: list[tuple[str, str, str, list[str]]] = [
         [
             "test_engine_uses::test_moe_with_fused_experts_float32",
             "test_engine_uses::test_moe_with_eager_experts_float64",
+        ],
+    ),
+    (
+        "PEFT LoRA on the expert modules of module-per-expert MoEs (nllb-moe, Switch Transformers)",
+        "exact: bk, bk-mixopt, ghost",
+        "the expert calls run on rows the router chose: covered by the fallback on the experts container; the "
+        "experts' token dropout in training refused naming the container",
+        [
+            "test_moe_lora::test_nllb_moe_lora_on_experts_is_exact",
+            "test_moe_lora::test_lora_on_experts_a_batch_that_routes_otherwise_than_the_probed_examples",
+            "test_moe_lora::test_nllb_moe_token_dropout_on_routed_rows_is_refused",
         ],
     ),
     (

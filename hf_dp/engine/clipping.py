@@ -197,7 +197,8 @@ class GroupClipping:
             self.per_example_norms = norms.detach()
             self.per_group_norms = p.norm_sq.sqrt() / scale
             self._check_ghost_sums(p, pieces)
-            keep = torch.isfinite(norms)  # hooked parameters: sum_i c_i h(g_i), never autograd's h(sum_i c_i g_i)
+            # hooked parameters: sum_i c_i h(g_i), never autograd's h(sum_i c_i g_i) (no op when nothing is hooked)
+            keep = torch.isfinite(norms) if p.hooked else None
             hooked = {
                 q: weighted_sum(parts[0], coef, self._registered.get(q, q).dtype, keep)
                 for q, parts in pieces.items()

@@ -41,16 +41,18 @@ lint: setup
 	$(VENV)/bin/ruff check hf_dp tests examples benchmarks
 
 test: setup lint
-	$(VENV)/bin/pytest -q -x tests
+	HF_HUB_OFFLINE=1 $(VENV)/bin/pytest -q -x tests
 
+# HF_HUB_OFFLINE: the demo, audit and benchmark defaults build everything locally; offline, nothing (bitsandbytes'
+# kernel lookup at import, through peft, included) reaches the Hub.
 demo: setup
-	$(PY) examples/demo.py --output_dir demo_output
+	HF_HUB_OFFLINE=1 $(PY) examples/demo.py --output_dir demo_output
 
 audit: setup
-	$(PY) examples/audit.py --output_dir audit_output
+	HF_HUB_OFFLINE=1 $(PY) examples/audit.py --output_dir audit_output
 
 bench: setup
-	$(PY) benchmarks/step_time.py
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/step_time.py
 
 clean:
 	rm -rf $(VENV) demo_output audit_output .pytest_cache

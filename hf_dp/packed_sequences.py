@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .losses import IGNORE_INDEX
+from .losses import IGNORE_INDEX, _check_reduction, _float
 
 __all__ = ["packed_causal_lm_loss", "packed_sequence_ids"]
 
@@ -58,13 +58,11 @@ def packed_causal_lm_loss(
         label_smoothing (`float`): the Trainer's ``label_smoothing_factor``, per token.
         token_weight (`Callable`, *optional*): maps the per-token losses before the reduction (TRL's DFT weighting).
     """
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"`reduction` must be 'mean' or 'sum', got {reduction!r}.")
+    _check_reduction(reduction)
     sequence = packed_sequence_ids(position_ids.to(labels.device))
     count = int(sequence[-1, -1]) + 1 if sequence.numel() else 0  # S, read on the host (the loss is [S])
     targets = labels[:, 1:].masked_fill(sequence[:, 1:] != sequence[:, :-1], IGNORE_INDEX)
-    logits = logits[:, :-1]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logits = _float(logits[:, :-1])
     per_token = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]),
         targets.reshape(-1),

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..losses import IGNORE_INDEX
+from ..losses import IGNORE_INDEX, _float
 from ..packed_sequences import packed_causal_lm_loss, packed_sequence_ids
 from ..sampling.packing import PackedSequenceCollator
 from .mixin import DPTrainerMixin
@@ -244,7 +244,7 @@ class DPSFTTrainer(DPTrainerMixin, _SFTTrainerInit):
         labels = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"][:, 1:]
         if "shift_labels" not in inputs:
             logits = logits[:, :-1]
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        logits = _float(logits)
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
         ).view(labels.shape)

@@ -63,8 +63,31 @@ def check_gradient_hooks(model: nn.Module, params: Iterable[Tensor]) -> None:
     Raises:
         UnsupportedModuleError: naming the parameter or module, the hook, and what to do.
     """
+    params = list(params)
     _refuse_post_accumulate_hooks(model, params)
+    _refuse_gradient_loggers(model, params)
     _refuse_module_backward_hooks(model)
+
+
+#: Modules whose tensor hooks log the gradients they see (``wandb.watch(model, log="gradients" | "all")``, which
+#: transformers' ``WandbCallback`` calls when ``WANDB_WATCH`` says so): applied per example, they would publish each
+#: example's un-clipped, un-noised gradient.
+GRADIENT_LOGGERS = ("wandb",)
+
+
+def _refuse_gradient_loggers(model: nn.Module, params: Iterable[Tensor]) -> None:
+    for p in params:
+        for hook in tensor_hooks(p):
+            fn = hook.func if isinstance(hook, functools.partial) else hook
+            if (getattr(fn, "__module__", None) or "").split(".")[0] in GRADIENT_LOGGERS:
+                name = next((n for n, q in model.named_parameters() if q is p), f"of shape {tuple(p.shape)}")
+                raise UnsupportedModuleError(
+                    f"Trainable parameter `{name}` has a gradient hook that logs what it sees (`{describe(hook)}`, "
+                    "e.g. `wandb.watch(model, log='gradients' or 'all')`): hf_dp runs a parameter's hooks on each "
+                    "example's un-clipped, un-noised gradient, which would then be published. Watch the parameters "
+                    "only (`wandb.watch(model, log='parameters')`, or `WANDB_WATCH=false` with the Trainer), or "
+                    "unwatch the model (`wandb.unwatch(model)`)."
+                )
 
 
 def _refuse_post_accumulate_hooks(model: nn.Module, params: Iterable[Tensor]) -> None:

@@ -302,6 +302,20 @@ def test_post_accumulate_grad_hook_refused_at_construction():
     BookKeepingClipper(model, max_grad_norm=1.0).remove()
 
 
+def test_a_hook_that_logs_gradients_is_refused():
+    """``wandb.watch(model, log="gradients")`` puts a ``lambda grad: ...`` defined in wandb's module on each parameter:
+    run per example it would publish each example's un-clipped gradient, so it is refused (parameters-only watching
+    puts no gradient hook on them). The lambda is compiled in a namespace named as wandb's, as wandb defines it."""
+    namespace = {"__name__": "wandb.integration.torch.wandb_torch", "seen": []}
+    exec("hook = lambda grad: seen.append(grad.norm())", namespace)
+    model = TwoLayers()
+    model.head.weight.register_hook(namespace["hook"])
+    with pytest.raises(UnsupportedModuleError, match=r"`head\.weight` has a gradient hook that logs") as err:
+        BookKeepingClipper(model, max_grad_norm=1.0)
+    assert "log='parameters'" in str(err.value)
+    assert not namespace["seen"]
+
+
 def test_post_accumulate_grad_hook_added_later_refused_at_the_next_plan():
     model = TwoLayers()
     clipper = BookKeepingClipper(model, max_grad_norm=1.0)

@@ -194,7 +194,10 @@ class GradHooks:
 
     def _current_grad_hooks(self) -> dict[nn.Parameter, tuple[Callable, ...]]:
         """The hooked trainable parameters and their hooks, read when a backward pass starts (``prepare()``)."""
-        return {q: hooks for q in self._trainable if (hooks := self._hooks_of(q))}
+        hooked = {q: hooks for q in self._trainable if (hooks := self._hooks_of(q))}
+        if hooked:  # a logger's hook registered after the plan (wandb.watch at on_train_begin) is refused too
+            _refuse_gradient_loggers(self.model, hooked)
+        return hooked
 
     def _hooked_grad(self, p: Pass, q: nn.Parameter, parts: list[PerExampleGrad]) -> InstantiatedGrad:
         """``h(g_i)`` for each example (unit) of the pass: the per-use gradients of ``q`` instantiated and summed, in

@@ -313,7 +313,16 @@ def test_a_hook_that_logs_gradients_is_refused():
     with pytest.raises(UnsupportedModuleError, match=r"`head\.weight` has a gradient hook that logs") as err:
         BookKeepingClipper(model, max_grad_norm=1.0)
     assert "log='parameters'" in str(err.value)
+    model = TwoLayers().double()
+    clipper = BookKeepingClipper(model, max_grad_norm=1.0)
+    batch = plain_batches()[0]
+    clipper.backward(plain_loss(model, batch))  # planned without the hook
+    model.head.weight.register_hook(namespace["hook"])  # as WandbCallback does at on_train_begin
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(UnsupportedModuleError, match="logs what it sees"):
+        clipper.backward(plain_loss(model, batch))
     assert not namespace["seen"]
+    clipper.remove()
 
 
 def test_post_accumulate_grad_hook_added_later_refused_at_the_next_plan():

@@ -14,12 +14,21 @@ from .losses import LOSS_TYPES
 
 logger = logging.getLogger("hf_dp.arguments")
 
-__all__ = ["CLIPPING_FNS", "PRIVACY_UNITS", "TRAINER_CLIPPING_MODES", "check_dp_fields", "check_finite"]
+__all__ = [
+    "CLIPPING_FNS",
+    "NOISE_MECHANISMS",
+    "PRIVACY_UNITS",
+    "TRAINER_CLIPPING_MODES",
+    "check_dp_fields",
+    "check_finite",
+]
 
 TRAINER_CLIPPING_MODES = sorted(m for m in CLIPPING_MODES if m != "ghost")
 CLIPPING_STYLES = ["all-layer", "layer-wise", "param-wise"]
 CLIPPING_FNS = ["abadi", "automatic"]
 #: What the guarantee protects.
+#: The noise of the gradients: independent per step (DP-SGD), or correlated across steps (banded matrix factorization).
+NOISE_MECHANISMS = ("dp-sgd", "banded-toeplitz")
 PRIVACY_UNITS = {"example": "one row of the training set", "user": "every row of one user (`user_column`)"}
 
 
@@ -55,6 +64,7 @@ def check_dp_fields(args) -> None:
     _check_poisson_sampling(args)
     _check_privacy_unit(args)
     _check_adaptive_clipping(args)
+    _check_noise_mechanism(args)
     _check_unsupported_trainer_features(args)
     if args.earlier_runs not in ("count", "exclude"):
         raise ValueError(
@@ -222,6 +232,32 @@ def _check_adaptive_clipping(args) -> None:
     check_finite("clipping_norm_lr", args.clipping_norm_lr, "a learning rate of C (e.g. 0.2)")
     if args.count_noise_multiplier is not None:
         check_finite("count_noise_multiplier", args.count_noise_multiplier, "None (the default) or e.g. 10.0")
+
+
+def _check_noise_mechanism(args) -> None:
+    """A known mechanism; with ``"banded-toeplitz"``: a band count >= 1, Poisson sampling, and no adaptive clipping."""
+    mechanism, bands = args.noise_mechanism, args.noise_bands
+    if mechanism not in NOISE_MECHANISMS:
+        raise ValueError(f"Unknown `noise_mechanism` {mechanism!r}: choose one of {list(NOISE_MECHANISMS)}.")
+    if isinstance(bands, bool) or not isinstance(bands, numbers.Integral) or bands < 1:
+        raise ValueError(f"`noise_bands` must be an integer >= 1 (the band count b of the noise), got {bands!r}.")
+    if mechanism == "dp-sgd":
+        if bands != 1:
+            raise ValueError(
+                f"`noise_bands={bands}` needs `noise_mechanism='banded-toeplitz'` (DP-SGD's noise has one band)."
+            )
+        return
+    if not args.poisson_sampling:
+        raise ValueError(
+            "`noise_mechanism='banded-toeplitz'` needs `poisson_sampling=True`: its guarantee rests on cyclic Poisson "
+            "sampling (the training set split into `noise_bands` parts, one part sampled per step)."
+        )
+    if args.adaptive_clipping:
+        raise ValueError(
+            "`adaptive_clipping=True` is not supported with `noise_mechanism='banded-toeplitz'`: the noisy count that "
+            "sets the next C would be released with the correlated gradient noise, an analysis hf_dp does not make. "
+            "Use a fixed `per_sample_max_grad_norm` (or `clipping_fn='automatic'`), or `noise_mechanism='dp-sgd'`."
+        )
 
 
 def check_finite(name: str, value: Any, what: str, *, zero: bool = False) -> None:

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
 from .accounting import PROVEN_ACCOUNTANTS
-from .argument_checks import CLIPPING_FNS, PRIVACY_UNITS, TRAINER_CLIPPING_MODES, check_dp_fields
+from .argument_checks import (
+    CLIPPING_FNS,
+    NOISE_MECHANISMS,
+    PRIVACY_UNITS,
+    TRAINER_CLIPPING_MODES,
+    check_dp_fields,
+)
 from .losses import LOSS_TYPES
 
 logger = logging.getLogger(__name__)
@@ -90,6 +96,18 @@ _DP_PARAMETERS_DOC = r"""
         `seed`), reproducible, so that a resumed run is bit-identical to an uninterrupted one. Anyone who knows it
         can remove the noise: the model card then says the guarantee does not hold. `None` (default): seeded from the
         operating system, never written to disk.
+    noise_mechanism (`str`, *optional*, defaults to `"dp-sgd"`):
+        `"dp-sgd"`: independent Gaussian noise at every step. `"banded-toeplitz"`: noise correlated across steps
+        (banded matrix factorization, Choquette-Choo et al. 2023): at step t the t-th row of `C^-1 Z`, with `C` a
+        lower-triangular banded Toeplitz matrix of `noise_bands` bands optimized for the prefix sums of the steps, so
+        that the noise of consecutive steps partly cancels in the model. Sampling is then cyclic Poisson: the training
+        set is split into `noise_bands` fixed parts by the run's secret seed, and step t samples part `t mod b` with
+        probability `b L / N`. Needs `poisson_sampling=True`; refuses `adaptive_clipping`. The noise state (b - 1
+        parameter-sized tensors of the trainable parameters) never leaves the process, so a run cannot be resumed
+        from a checkpoint except with a fixed `noise_seed` (tests). See docs/bandmf.md.
+    noise_bands (`int`, *optional*, defaults to `1`):
+        `b`, the band count of `noise_mechanism="banded-toeplitz"` (1 gives DP-SGD exactly). `b L` must not exceed
+        `N` (each part must hold at least the expected batch).
     publish_training_metrics (`bool`, *optional*, defaults to `False`):
         Write un-noised statistics of the training data (training loss, token counts, FLOs, run time) into released
         files (`trainer_state.json`, `*_results.json`, the model card). They are not covered by the guarantee, and
@@ -217,6 +235,17 @@ class DPArgumentsMixin:
         metadata={
             "help": "TESTS ONLY: a fixed noise seed lets anyone remove the noise. None: from the OS, never saved."
         },
+    )
+    noise_mechanism: str = field(
+        default="dp-sgd",
+        metadata={
+            "help": "'dp-sgd' (independent noise per step) or 'banded-toeplitz' (noise correlated across steps, "
+            "with cyclic Poisson sampling).",
+            "choices": list(NOISE_MECHANISMS),
+        },
+    )
+    noise_bands: int = field(
+        default=1, metadata={"help": "Band count b of noise_mechanism='banded-toeplitz' (1: DP-SGD exactly)."}
     )
     publish_training_metrics: bool = field(
         default=False,

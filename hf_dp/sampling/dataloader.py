@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from .batch_checks import NUM_EXAMPLES_KEY
 from .collators import EmptyBatchSafeCollator
+from .cyclic import CyclicPoissonBatchSampler, CyclicPoissonUserBatchSampler
 from .poisson import PoissonBatchSampler
 from .privacy_unit import UNIT_KEY, UnitTaggedDataset
 from .users import PoissonUserBatchSampler
@@ -40,6 +41,8 @@ def poisson_dataloader(
     max_examples_per_user: int | None = None,
     lengths: Sequence[int] | None = None,
     fsdp_placeholder: bool = False,
+    bands: int | None = None,
+    steps_per_epoch: int | None = None,
     **dataloader_kwargs: Any,
 ) -> DataLoader:
     """A DataLoader of Poisson micro-batches over ``dataset``.
@@ -56,16 +59,24 @@ def poisson_dataloader(
         lengths (*optional*): row lengths, to group each micro-batch's rows by length (``group_by_length``).
         fsdp_placeholder (`bool`): every FSDP2 rank runs every micro-batch (their collectives are shared), so an empty
             one carries the first example, to run with loss weight 0 (it adds exactly nothing).
+        bands (`int`, *optional*): cyclic Poisson sampling over this many parts (banded correlated noise,
+            :mod:`hf_dp.sampling.cyclic`); ``sample_rate`` is then the rate of a part, ``b L / N``.
+        steps_per_epoch (`int`, *optional*): logical batches per epoch (default: ``floor(1 / sample_rate)``).
         dataloader_kwargs: passed to ``DataLoader`` (workers, pinning, ...).
     """
     common = {"seed": seed, "draw_offset": draw_offset, "secure": secure, "num_replicas": num_replicas, "rank": rank}
+    common["steps_per_epoch"] = steps_per_epoch
+    if bands is not None:
+        common["bands"] = bands
     if user_codes is not None:
         dataset = UnitTaggedDataset(dataset, user_codes)
-        sampler = PoissonUserBatchSampler(
+        sampler = (PoissonUserBatchSampler if bands is None else CyclicPoissonUserBatchSampler)(
             user_codes, sample_rate, num_micro_batches, max_examples_per_user=max_examples_per_user, **common
         )
     else:
-        sampler = PoissonBatchSampler(len(dataset), sample_rate, num_micro_batches, lengths=lengths, **common)
+        sampler = (PoissonBatchSampler if bands is None else CyclicPoissonBatchSampler)(
+            len(dataset), sample_rate, num_micro_batches, lengths=lengths, **common
+        )
     collate = EmptyBatchSafeCollator(
         collator,
         placeholder=partial(_first_example, dataset) if fsdp_placeholder else None,

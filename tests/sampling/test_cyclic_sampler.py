@@ -1,0 +1,84 @@
+"""Cyclic Poisson sampling: b = 1 is Poisson sampling bit for bit; b > 1 samples part t mod b only, every part of
+a secret-seeded split, at rate q_part; users are split into parts the same way."""
+
+import numpy as np
+import pytest
+
+from hf_dp.sampling import (
+    CyclicPoissonBatchSampler,
+    CyclicPoissonUserBatchSampler,
+    PoissonBatchSampler,
+    PoissonUserBatchSampler,
+)
+from hf_dp.sampling.cyclic import cyclic_parts
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_one_band_is_poisson_sampling_bit_for_bit(secure):
+    kwargs = dict(steps_per_epoch=7, seed=1234, draw_offset=3, secure=secure, num_replicas=2, rank=1)
+    plain = PoissonBatchSampler(200, 0.05, 3, **kwargs)
+    cyclic = CyclicPoissonBatchSampler(200, 0.05, 3, bands=1, **kwargs)
+    for epoch in (0, 2):
+        plain.set_epoch(epoch)
+        cyclic.set_epoch(epoch)
+        assert list(cyclic) == list(plain)
+
+
+def test_one_band_users_is_user_poisson_sampling_bit_for_bit():
+    codes = np.random.default_rng(0).integers(0, 40, size=150)
+    kwargs = dict(steps_per_epoch=6, max_examples_per_user=2, seed=99, num_replicas=1, rank=0)
+    plain = PoissonUserBatchSampler(codes, 0.1, 2, **kwargs)
+    cyclic = CyclicPoissonUserBatchSampler(codes, 0.1, 2, bands=1, **kwargs)
+    assert list(cyclic) == list(plain)
+
+
+def test_parts_are_a_balanced_secret_split():
+    parts = cyclic_parts(seed=5, num_units=103, bands=4)
+    assert sorted(np.bincount(parts).tolist()) == [25, 26, 26, 26]
+    assert not np.array_equal(parts, cyclic_parts(seed=6, num_units=103, bands=4))  # depends on the seed
+    assert np.array_equal(parts, cyclic_parts(seed=5, num_units=103, bands=4))
+    secure = cyclic_parts(seed=5, num_units=103, bands=4, secure=True)
+    assert sorted(np.bincount(secure).tolist()) == [25, 26, 26, 26]
+
+
+def test_step_t_samples_only_part_t_mod_b_at_the_part_rate():
+    n, bands, rate, steps = 400, 4, 0.5, 400
+    sampler = CyclicPoissonBatchSampler(n, rate, 1, steps_per_epoch=steps, bands=bands, seed=11)
+    parts = cyclic_parts(11, n, bands)
+    counts = np.zeros(n)
+    for t, batch in enumerate(sampler.logical_batches()):
+        assert set(parts[batch].tolist()) <= {t % bands}
+        counts[batch] += 1
+    # every row is sampled in about rate * steps / bands of the steps (its part's), never elsewhere
+    expected = rate * steps / bands
+    assert abs(counts.mean() - expected) < 0.05 * expected
+    assert counts.min() > 0
+
+
+def test_a_unit_is_sampled_at_most_once_in_b_consecutive_steps():
+    bands = 3
+    sampler = CyclicPoissonBatchSampler(60, 0.9, 2, steps_per_epoch=30, bands=bands, seed=2)
+    last = {}
+    for t, batch in enumerate(sampler.logical_batches()):
+        for i in batch.tolist():
+            assert t - last.get(i, -bands) >= bands
+            last[i] = t
+
+
+def test_users_are_split_into_parts():
+    codes = np.repeat(np.arange(30), 3)
+    sampler = CyclicPoissonUserBatchSampler(codes, 0.8, 1, steps_per_epoch=12, bands=3, max_examples_per_user=3, seed=4)
+    parts = cyclic_parts(4, 30, 3)
+    for t, rows in enumerate(sampler):
+        users = set(codes[rows].tolist())
+        assert {int(parts[u]) for u in users} <= {t % 3}
+
+
+def test_a_part_rate_above_one_is_refused():
+    with pytest.raises(ValueError, match="fewer bands"):
+        CyclicPoissonBatchSampler(100, 1.5, 1, bands=3)
+
+
+def test_repr_shows_no_seed():
+    sampler = CyclicPoissonBatchSampler(100, 0.3, 1, bands=3, seed=987654321)
+    assert "987654321" not in repr(sampler) and "bands=3" in repr(sampler)

@@ -11,7 +11,7 @@ from transformers.trainer_callback import ExportableState
 
 from ..accounting import PrivacyAccountant
 from ..accounting.methods import segments_epsilon
-from ..plan.privacy_plan import DPPlan
+from ..plan.privacy_plan import DPPlan, banded_steps
 from ..release.filter import release_state
 from .ledger import PrivacyLedger
 
@@ -67,6 +67,8 @@ class DPCallback(TrainerCallback, ExportableState):
         self.not_covered: list[str] = []
         #: Prefixes of evaluation metrics computed on the training set: withheld from the saved trainer state.
         self.withheld_metrics: tuple[str, ...] = ()
+        #: ``b`` of this run's banded noise (1: DP-SGD): T steps of this run account as ``ceil(T / b)`` DP-SGD steps.
+        self.bands = 1
         self._budget_steps: int | None = None
         self._frozen: DPPlan | None = None
         self._ledger: PrivacyLedger | None = None
@@ -82,10 +84,14 @@ class DPCallback(TrainerCallback, ExportableState):
         num_examples: int,
         frozen_plan: DPPlan | None = None,
         ledger: PrivacyLedger | None = None,
+        bands: int = 1,
     ) -> None:
         """This run's settings: sigma and q of future steps, delta, the headline accountant and the budget; the frozen
-        plan the arguments are checked against while training (``None``: no check), and the ledger every recorded
-        step is appended to (``None``: none, e.g. on processes other than the main one)."""
+        plan the arguments are checked against while training (``None``: no check), the ledger every recorded
+        step is appended to (``None``: none, e.g. on processes other than the main one), and ``bands``, the band
+        count of banded correlated noise (the run's steps then account as ``ceil(T / b)`` DP-SGD steps each segment).
+        """
+        self.bands = int(bands)
         self.accountant.noise_multiplier = noise_multiplier
         self.accountant.sample_rate = sample_rate
         self.accountant.accountant = accountant
@@ -119,6 +125,21 @@ class DPCallback(TrainerCallback, ExportableState):
     def spent_history(self) -> list[list[float]]:
         """Every segment the stated epsilon covers: the carried earlier runs', then this run's."""
         return [list(s) for run in self.carried for s in run["history"]] + [list(s) for s in self.history]
+
+    def accounted_history(self, future: int = 0) -> list[tuple[float, float, int]]:
+        """The segments epsilon is computed from: the carried earlier runs' (as their ledgers record them, every step
+        a DP-SGD step: an over-count for a banded run, never an under-count), then this run's with ``future`` more
+        steps at the configured sigma and q, each of its segments of ``T`` steps counted as ``ceil(T / b)`` steps
+        (the amplified analysis of ``b``-banded noise with cyclic Poisson sampling; ``T`` for DP-SGD)."""
+        own = [[float(s), float(q), int(n)] for s, q, n in self.history]
+        if future > 0:
+            same = own and own[-1][:2] == [float(self.noise_multiplier), float(self.sample_rate)]
+            if same and self.bands > 1:  # one banded mechanism: ceil((T + n) / b) participations
+                own[-1][2] += future
+            else:
+                own.append([float(self.noise_multiplier), float(self.sample_rate), future])
+        carried = [(float(s[0]), float(s[1]), int(s[2])) for run in self.carried for s in run["history"]]
+        return carried + [(s, q, banded_steps(n, self.bands)) for s, q, n in own]
 
     @property
     def carried_steps(self) -> int:
@@ -203,11 +224,9 @@ class DPCallback(TrainerCallback, ExportableState):
         """Epsilon spent so far (``math.inf`` with zero noise)."""
         if self.delta is None:
             raise RuntimeError("DPCallback.configure() was not called: delta is unknown.")
-        if not self.carried:
+        if not self.carried and self.bands == 1:
             return self.accountant.epsilon(self.delta, accountant)
-        return segments_epsilon(
-            [tuple(s) for s in self.spent_history], self.delta, accountant or self.accountant.accountant
-        )
+        return segments_epsilon(self.accounted_history(), self.delta, accountant or self.accountant.accountant)
 
     def steps_within_budget(self, max_future: int | None = None) -> int | None:
         """Total number of steps (taken and future, at the configured sigma and q) that keeps epsilon within budget.
@@ -220,11 +239,10 @@ class DPCallback(TrainerCallback, ExportableState):
             return None
         if self.noise_multiplier == 0:
             return self.steps
-        past = [tuple(s) for s in self.spent_history]
 
         def within(n: int) -> bool:
-            future = [(self.noise_multiplier, self.sample_rate, n)]
-            return segments_epsilon(past + future, self.delta, self.accountant.accountant) <= self.epsilon_budget
+            segments = self.accounted_history(future=n)
+            return segments_epsilon(segments, self.delta, self.accountant.accountant) <= self.epsilon_budget
 
         if not within(0):
             return self.steps

@@ -53,7 +53,7 @@ __all__ = [
 LEDGER_NAME = "dp_ledger.jsonl"
 _FORMAT = 2
 #: The DP settings every record states besides its steps' noise multiplier and sample rate.
-SETTINGS_FIELDS = ("max_grad_norm", "delta", "accountant", "unit", "max_examples_per_user")
+SETTINGS_FIELDS = ("max_grad_norm", "delta", "accountant", "unit", "max_examples_per_user", "mechanism", "bands")
 #: Fields a record has in every format (format 1 had no settings and no chain).
 _STEP_FIELDS = ("run", "step", "steps", "noise_multiplier", "sample_rate")
 

@@ -22,7 +22,7 @@ from ..argument_checks import check_finite
 from ..arguments import DPArgumentsMixin
 from ..step.adaptive_clipping import QuantileClipping, default_count_noise_multiplier, gradient_noise_multiplier
 
-__all__ = ["FROZEN_FIELDS", "DPPlan", "FrozenSettingsError", "resolve_plan", "settings_snapshot"]
+__all__ = ["FROZEN_FIELDS", "DPPlan", "FrozenSettingsError", "banded_steps", "resolve_plan", "settings_snapshot"]
 
 #: Fields of the training arguments that the run's privacy depends on besides the DP fields of ``DPArgumentsMixin``
 #: (the sample rate and the schedule, the loss scale policy). A change to any of them during ``train()`` is an error.
@@ -99,6 +99,11 @@ class DPPlan:
     #: The noise multiplier of the gradient: ``noise_multiplier`` (the accountant's), or larger with adaptive
     #: clipping, whose count takes its share of the budget.
     gradient_noise_multiplier: float | None = None
+    #: The gradient noise: ``"dp-sgd"``, or ``"banded-toeplitz"`` with ``noise_bands`` bands (cyclic Poisson
+    #: sampling: ``sample_rate`` is then the rate of a part, ``b L / N``, and epsilon after T steps is DP-SGD's for
+    #: ``ceil(T / b)`` steps at ``(noise_multiplier, sample_rate)``).
+    noise_mechanism: str = "dp-sgd"
+    noise_bands: int = 1
     #: :func:`settings_snapshot` of the arguments the plan was resolved from (kept in memory only: never saved).
     settings: tuple[Any, ...] = field(default=(), repr=False, compare=False)
 
@@ -107,6 +112,16 @@ class DPPlan:
         saved = asdict(self)
         del saved["settings"]  # holds every DP argument, `noise_seed` included: never written
         return saved
+
+    @property
+    def banded(self) -> bool:
+        """Whether the gradient noise is correlated across steps (banded matrix factorization)."""
+        return self.noise_mechanism == "banded-toeplitz"
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Logical batches in one pass over the data: ``floor(1 / q)``, ``q = L / N`` (also with cyclic sampling)."""
+        return max(1, math.floor(1 / (self.expected_batch_size / self.num_examples)))
 
     @property
     def unit_name(self) -> str:
@@ -188,11 +203,11 @@ def resolve_plan(
     by_user = getattr(args, "privacy_unit", "example") == "user"
     unit = "user" if by_user else "example"
     expected_batch_size = _expected_batch_size(args, num_examples, world_size, unit)
-    sample_rate = expected_batch_size / num_examples
+    bands = _bands(args, num_examples, expected_batch_size, unit)
+    rate = expected_batch_size / num_examples
+    sample_rate = rate if bands == 1 else expected_batch_size * bands / num_examples  # q_part = b L / N: cyclic
     delta = _delta(args, num_examples, unit)
-    num_steps = (
-        args.max_steps if args.max_steps and args.max_steps > 0 else math.ceil(args.num_train_epochs / sample_rate)
-    )
+    num_steps = args.max_steps if args.max_steps and args.max_steps > 0 else math.ceil(args.num_train_epochs / rate)
     draft = {
         "num_examples": num_examples,
         "expected_batch_size": expected_batch_size,
@@ -202,7 +217,7 @@ def resolve_plan(
         "target_epsilon": args.target_epsilon,
         "accountant": args.accountant,
     }
-    sigma = _noise_multiplier(args, draft, past=past, saved=saved, steps_done=steps_done)
+    sigma = _noise_multiplier(args, draft, past=past, saved=saved, steps_done=steps_done, bands=bands)
     adaptive = _adaptive_settings(args, sigma, expected_batch_size)
     return DPPlan(
         noise_multiplier=sigma,
@@ -210,6 +225,8 @@ def resolve_plan(
         **_mechanism_settings(args),
         **_unit_settings(args, by_user, num_rows),
         **adaptive,
+        noise_mechanism=getattr(args, "noise_mechanism", "dp-sgd"),
+        noise_bands=bands,
         settings=settings_snapshot(args),
     )
 
@@ -226,6 +243,28 @@ def _expected_batch_size(args, num_examples: int, world_size: int, unit: str) ->
     return expected_batch_size
 
 
+def banded_steps(steps: int, bands: int) -> int:
+    """The DP-SGD steps that ``steps`` steps of a ``bands``-banded mechanism with cyclic Poisson sampling account as:
+    ``ceil(steps / bands)``, the most participations of one unit (``steps`` for DP-SGD)."""
+    return -(-int(steps) // int(bands))
+
+
+def _bands(args, num_examples: int, expected_batch_size: int, unit: str) -> int:
+    """``b`` (1 for DP-SGD); with cyclic Poisson sampling every part must hold at least the expected batch."""
+    if getattr(args, "noise_mechanism", "dp-sgd") != "banded-toeplitz":
+        return 1
+    bands = int(args.noise_bands)
+    if bands * expected_batch_size > num_examples:
+        raise ValueError(
+            f"`noise_bands={bands}` with an expected batch of {expected_batch_size} {unit}s needs b L = "
+            f"{bands * expected_batch_size} <= N = {num_examples} {unit}s: cyclic Poisson sampling splits the "
+            f"training set into b parts and samples one part per step at rate b L / N "
+            f"= {bands * expected_batch_size / num_examples:g}, which must not exceed 1. Use fewer bands "
+            "(`noise_bands`) or a smaller batch."
+        )
+    return bands
+
+
 def _delta(args, num_examples: int, unit: str) -> float:
     """The delta of the guarantee: `target_delta`, or 1/(2N) when unset; a delta of 1/N or more is refused."""
     delta = args.target_delta if args.target_delta is not None else 1 / (2 * num_examples)
@@ -239,34 +278,39 @@ def _delta(args, num_examples: int, unit: str) -> float:
 
 
 def _noise_multiplier(
-    args, draft: dict[str, Any], *, past: Sequence[Sequence[float]], saved: dict[str, Any] | None, steps_done: int
+    args,
+    draft: dict[str, Any],
+    *,
+    past: Sequence[Sequence[float]],
+    saved: dict[str, Any] | None,
+    steps_done: int,
+    bands: int = 1,
 ) -> float:
     """The plan's sigma: the one given, the saved plan's on a resume with the same schedule, or else calibrated so
-    that the ``past`` segments and the steps still to take together spend `target_epsilon`.
+    that the ``past`` segments (as accounted) and the steps still to take together spend `target_epsilon`; with
+    ``bands`` > 1 the steps to take count as their participations, ``ceil(T / b) - ceil(steps_done / b)``.
 
     Raises:
         ValueError: if no noise reaches the budget, or the accountant cannot state the epsilon of the whole plan.
     """
     sample_rate, delta, num_steps = draft["sample_rate"], draft["delta"], draft["num_steps"]
+    remaining = banded_steps(num_steps, bands) - banded_steps(min(steps_done, num_steps), bands)
     if args.noise_multiplier is not None:
         check_finite("noise_multiplier", args.noise_multiplier, "a noise multiplier (e.g. 1.0)", zero=True)
         sigma = float(args.noise_multiplier)
-    elif saved and _same_schedule(saved, draft):
+    elif saved and _same_schedule(saved, draft) and saved.get("noise_bands", 1) == bands:
         sigma = float(saved["noise_multiplier"])
     else:
-        remaining = max(num_steps - steps_done, 1)
         sigma = calibrate_noise_multiplier(
             args.target_epsilon,
             delta,
             sample_rate,
-            remaining,
+            max(remaining, 1),
             accountant=args.accountant,
             past=[tuple(segment) for segment in past],
         )
     if sigma > 0:  # the accountant must be able to state the epsilon of the whole plan: fail now, not at a log step
-        segments_epsilon(
-            [*map(tuple, past), (sigma, sample_rate, max(num_steps - steps_done, 0))], delta, args.accountant
-        )
+        segments_epsilon([*map(tuple, past), (sigma, sample_rate, max(remaining, 0))], delta, args.accountant)
     return float(sigma)
 
 

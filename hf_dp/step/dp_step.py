@@ -93,6 +93,11 @@ class DPStep:
             ``clipper.model``) or :class:`~hf_dp.step.backends.FullySharded`.
         loss_scaling (`NoisedLossScaling`, *optional*): fp16 loss scaling (K); none: K = 1.
         adaptive (`AdaptiveClippingState`, *optional*): quantile-adaptive clipping (C changes from step to step).
+        count_noise (`NoiseSource`, *optional*): a separate stream for the counts released with the gradient (fp16's
+            dropped count), when ``noise`` is correlated across steps
+            (:class:`~hf_dp.step.bandmf.noise.CorrelatedNoiseSource`): only the gradients get the correlated noise, and
+            a count never reuses their standard normals. `None`: the counts come from ``noise``'s step stream, with the
+            gradients (DP-SGD).
     """
 
     def __init__(
@@ -105,8 +110,10 @@ class DPStep:
         backend: Any = None,
         loss_scaling: NoisedLossScaling | None = None,
         adaptive: AdaptiveClippingState | None = None,
+        count_noise: NoiseSource | None = None,
     ) -> None:
         self.settings = settings
+        self.count_noise = count_noise
         self.clipper = clipper
         self.noise = noise
         self.record = record
@@ -184,20 +191,43 @@ class DPStep:
         ``(sum + noise) / L``; ``dropped`` (fp16: the count of overflowed examples) += N(0, sigma^2), from the same
         step's stream (one Gaussian mechanism: :mod:`hf_dp.step.loss_scale`); ``count`` (adaptive clipping: the centred
         count of unclipped units) += N(0, sigma_count^2), sigma then being the gradient's share
-        (:mod:`hf_dp.step.adaptive_clipping`). The noise of step ``s`` comes from the run's secret source."""
+        (:mod:`hf_dp.step.adaptive_clipping`). The noise of step ``s`` comes from the run's secret source; with a
+        separate ``count_noise`` (correlated gradient noise) the counts come from it instead."""
         sigma = self.settings.gradient_noise_multiplier
         std = self.loss_weight * sigma * self.clip_norm
         if std == 0:
             return
-        by_device: dict[torch.device, list[Tensor]] = {}
-        for target in [*grads, *([dropped] if dropped is not None else []), *([count] if count is not None else [])]:
-            by_device.setdefault(target.device, []).append(target)
-        for device, targets in by_device.items():
-            stds = [
-                sigma if t is dropped else self.settings.count_noise_multiplier if t is count else std for t in targets
-            ]
-            noise = self.noise.normal(
-                step=self.record.steps, shapes=[t.shape for t in targets], std=stds, device=device, dtype=torch.float32
+        counts = [*([dropped] if dropped is not None else []), *([count] if count is not None else [])]
+        if self.count_noise is not None:
+            self._add(self.noise, grads, [std] * len(grads))
+            self._add(self.count_noise, counts, [self._count_std(t, dropped, sigma) for t in counts])
+            return
+        targets = [*grads, *counts]
+        self._add(self.noise, targets, [std] * len(grads) + [self._count_std(t, dropped, sigma) for t in counts])
+
+    def _count_std(self, target: Tensor, dropped: Tensor | None, sigma: float) -> float:
+        """The noise std of a count: sigma for fp16's dropped count, the count's own for adaptive clipping."""
+        return sigma if target is dropped else self.settings.count_noise_multiplier
+
+    def _add(self, source: Any, targets: list[Tensor], stds: list[float]) -> None:
+        """``targets[i] += N(0, stds[i]^2)`` from ``source``'s draw of the current step, one draw per device."""
+        by_device: dict[torch.device, list[tuple[Tensor, float]]] = {}
+        for target, sd in zip(targets, stds, strict=True):
+            by_device.setdefault(target.device, []).append((target, sd))
+        if len(by_device) > 1 and source is self.noise and self.count_noise is not None:
+            raise RuntimeError(
+                "hf_dp: banded correlated noise needs every trainable parameter of a process on one device (its noise "
+                f"state follows one sequence of draws), but they are on {sorted(map(str, by_device))}. Place the "
+                "model on one device per process, or use `noise_mechanism='dp-sgd'`."
+            )
+        for device, pairs in by_device.items():
+            targets = [t for t, _ in pairs]
+            noise = source.normal(
+                step=self.record.steps,
+                shapes=[t.shape for t in targets],
+                std=[sd for _, sd in pairs],
+                device=device,
+                dtype=torch.float32,
             )
             # one fused add for every tensor of the device (the same element-wise sums as one add_ per tensor)
             torch._foreach_add_(targets, [n.to(t.dtype) for t, n in zip(targets, noise, strict=True)])

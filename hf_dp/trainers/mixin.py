@@ -42,6 +42,7 @@ from ..step.distributed import broadcast_from_main
 from ..step.dp_step import DPStep, DPStepSettings
 from ..step.loss_scale import NoisedLossScaling
 from ..step.noise import NoiseSource
+from .banded import check_banded_continuation, check_banded_plan, noise_streams
 from .composition import InitArguments, next_init
 from .coupled import check_trainer_class
 from .record_hooks import PrivacyRecordHooks
@@ -108,6 +109,7 @@ class DPTrainerMixin(SamplingHooks, PrivacyRecordHooks, ReleaseHooks):
         self.dp_audit_result: dict[str, Any] | None = None
         self._dp_plan: DPPlan | None = None
         self._sampling_seed: int | None = None
+        self._banded_strategy = None  # the banded noise strategy of the running or last train() (card)
         self._dp_step_active = False
         self._per_example_loss_seen = False
         self._needs_self_check = False
@@ -333,7 +335,7 @@ class DPTrainerMixin(SamplingHooks, PrivacyRecordHooks, ReleaseHooks):
         """The book-keeping clipper of the running ``train()`` (``None`` outside it)."""
         return self.dp_step.clipper if self.dp_step is not None else None
 
-    def _build_dp_step(self, noise: NoiseSource) -> DPStep:
+    def _build_dp_step(self, noise: NoiseSource, count_noise: NoiseSource | None = None) -> DPStep:
         """The DP step of this ``train()`` call, from the frozen plan (never the arguments)."""
         plan, args, callback = self.dp_plan, self.args, self.dp_callback
         adaptive = AdaptiveClippingState.start(
@@ -364,6 +366,7 @@ class DPTrainerMixin(SamplingHooks, PrivacyRecordHooks, ReleaseHooks):
             backend=self._dp_backend(),
             loss_scaling=loss_scaling,
             adaptive=adaptive,
+            count_noise=count_noise,
         )
         # FSDP2 shards the model inside Trainer.train: its clipper is built at the first micro-batch (the back end)
         step.clipper = None if self.is_fsdp_enabled else self._build_clipper(self.model, clip_norm=step.clip_norm)
@@ -395,18 +398,21 @@ class DPTrainerMixin(SamplingHooks, PrivacyRecordHooks, ReleaseHooks):
     def _clipping_policy_kwargs(self) -> dict[str, Any]:
         return self.dp_plan.clipping_kwargs()
 
-    def _secret_streams(self) -> tuple[NoiseSource, int]:
-        """The noise source and sampling seed of this start: from the OS (shared by all processes, never written), or
-        from ``noise_seed`` and ``data_seed``/``seed`` in a test run. FSDP2: each process noises its own shards."""
+    def _secret_streams(self) -> tuple[NoiseSource, NoiseSource | None, int]:
+        """The gradient noise, the separate count noise (banded noise only) and the sampling seed of this start: from
+        the OS (shared by all processes, never written), or from ``noise_seed`` and ``data_seed``/``seed`` in a test
+        run. FSDP2: each process noises its own shards. The banded strategy is kept for the card."""
         args = self.args
         stream = args.process_index if self.is_fsdp_enabled else 0
         if args.noise_seed is not None:
+            noise_seed = args.noise_seed
             sampling_seed = args.data_seed if args.data_seed is not None else args.seed
-            return NoiseSource(args.noise_seed, secure=args.secure_mode, stream=stream), sampling_seed
-        noise_seed, sampling_seed = broadcast_from_main([secrets.randbits(128), secrets.randbits(128)])
-        source = NoiseSource(noise_seed, secure=args.secure_mode, stream=stream)
-        source.deterministic = False
-        return source, sampling_seed
+        else:
+            noise_seed, sampling_seed = broadcast_from_main([secrets.randbits(128), secrets.randbits(128)])
+        noise, count_noise, self._banded_strategy = noise_streams(
+            self.dp_plan, noise_seed, secure=args.secure_mode, stream=stream, deterministic=args.noise_seed is not None
+        )
+        return noise, count_noise, sampling_seed
 
     # ------------------------------------------------------------------ train
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
@@ -421,11 +427,14 @@ class DPTrainerMixin(SamplingHooks, PrivacyRecordHooks, ReleaseHooks):
         self.dp_callback.withheld_metrics = withheld_metric_prefixes(self)  # eval metrics on training data: not written
         steps_done = self._start_privacy_record(resume_from_checkpoint)
         callback = self.dp_callback
-        self._dp_plan = self._resolve_plan(past=callback.spent_history, saved=callback.plan, steps_done=steps_done)
+        check_banded_continuation(self.args, callback, resuming=bool(resume_from_checkpoint))  # sets callback.bands
+        past = callback.accounted_history()
+        self._dp_plan = self._resolve_plan(past=past, saved=callback.plan, steps_done=steps_done)
+        check_banded_plan(self.dp_plan, callback)
         self._configure_dp_callback()
-        noise, self._sampling_seed = self._secret_streams()
+        noise, count_noise, self._sampling_seed = self._secret_streams()
         log_plan(self.dp_plan, steps_taken=callback.steps, fixed_noise_seed=self.args.noise_seed is not None)
-        self.dp_step = self._build_dp_step(noise)
+        self.dp_step = self._build_dp_step(noise, count_noise)
         self._in_train = True
         self._needs_self_check = self.args.dp_self_check
         self._loss_window.zero_()
@@ -441,6 +450,7 @@ class DPTrainerMixin(SamplingHooks, PrivacyRecordHooks, ReleaseHooks):
             if self.dp_step.clipper is not None:
                 self.dp_step.clipper.remove()
             self.dp_step.clipper, self.dp_step.noise, self._in_train = None, None, False
+            self.dp_step.count_noise = None
             self._sampling_seed = None
             self._release_after_train()
         return TrainOutput(output.global_step, output.metrics.get("train_loss", output.training_loss), output.metrics)

@@ -74,6 +74,7 @@ class PrivacyRecordHooks:
             num_examples=plan.num_examples,
             frozen_plan=plan,
             ledger=ledger,
+            bands=plan.noise_bands,
         )
         callback.plan = plan.saved()
 
@@ -87,6 +88,8 @@ class PrivacyRecordHooks:
             "accountant": plan.accountant,
             "unit": plan.privacy_unit,
             "max_examples_per_user": plan.max_examples_per_user,
+            "mechanism": plan.noise_mechanism,
+            "bands": plan.noise_bands,
         }
         chain = read_ledger(path).get(callback.run_id)
         args = (self.args.output_dir, callback.run_id, fingerprint, settings)

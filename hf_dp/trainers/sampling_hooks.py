@@ -51,6 +51,8 @@ class SamplingHooks:
             max_examples_per_user=plan.max_examples_per_user,
             lengths=lengths,
             fsdp_placeholder=self.is_fsdp_enabled,
+            bands=plan.noise_bands if plan.banded else None,  # cyclic Poisson sampling: part t mod b at step t
+            steps_per_epoch=plan.steps_per_epoch if plan.banded else None,
             **self._dataloader_kwargs(),
         )
         return rank_aware(self.accelerator.prepare(dataloader), dataloader.batch_sampler)

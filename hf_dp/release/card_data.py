@@ -106,6 +106,12 @@ class DPModelCardData:
         not_covered (`list[str]`, *optional*, defaults to `[]`):
             What the stated epsilon does not cover, one clause each (noisy steps whose record was lost, earlier runs
             left out): shown as a warning.
+        banded_noise (`dict`, *optional*):
+            Banded correlated noise (`noise_mechanism="banded-toeplitz"`): `bands` (b), `workload` (what the strategy
+            was optimized for), `optimized_steps`, `sensitivity` (per participation, max column norm of C), `error`
+            and `dpsgd_error` (the workload's RMSE per step in units of sigma C, for C and for DP-SGD's identity) and
+            `state_bytes` (the noise state held in memory, never written). The segments' sample rate is then the
+            rate of a part, q_part = b L / N, and epsilon after T steps is DP-SGD's of ceil(T / b) steps.
 
     Example:
         ```python
@@ -147,6 +153,7 @@ class DPModelCardData:
     eval_withheld: list[str] = field(default_factory=list)
     earlier_steps: int = 0
     not_covered: list[str] = field(default_factory=list)
+    banded_noise: dict[str, Any] | None = None
 
 
 def privacy_segments(data: DPModelCardData) -> list[tuple[float, float, int]]:

@@ -175,10 +175,11 @@ def _epsilon_rows(data: DPModelCardData) -> str:
     return "\n".join(rows)
 
 
-def _noise_rows(segments: list[tuple[float, float, int]]) -> str:
+def _noise_rows(segments: list[tuple[float, float, int]], *, banded: bool = False) -> str:
     if len(segments) == 1:
         sigma, q, _ = segments[0]
-        return f"| Noise multiplier (sigma) | {_fmt(sigma)} |\n| Sample rate (q) | {_fmt(q)} |"
+        rate = "Sample rate of the sampled part (q_part)" if banded else "Sample rate (q)"
+        return f"| Noise multiplier (sigma) | {_fmt(sigma)} |\n| {rate} | {_fmt(q)} |"
     rows, start = [], 1
     for k, (sigma, q, steps) in enumerate(segments, start=1):
         span = f"steps {start}-{start + steps - 1}" if steps else "no steps"
@@ -296,7 +297,8 @@ def _template_fields(data: DPModelCardData, segments: list[tuple[float, float, i
         "coverage_note": coverage_note(data, segments),
         "epsilon_rows": _epsilon_rows(data),
         "delta": format_bound(data.delta, digits=3),
-        "noise_rows": _noise_rows(segments),
+        "noise_rows": _noise_rows(segments, banded=data.banded_noise is not None),
+        "mechanism_rows": _mechanism_rows(data),
         "steps": sum(s[2] for s in segments),
         "max_grad_norm": f"{data.max_grad_norm:g}" + (" (starting value)" if data.adaptive_clipping else ""),
         "adaptive_rows": _adaptive_rows(data),
@@ -320,9 +322,38 @@ def _batch_row(data: DPModelCardData, segments: list[tuple[float, float, int]]) 
     return f"| Expected logical batch size (q N, per segment) | {sizes} |"
 
 
+def _mechanism_rows(data: DPModelCardData) -> str:
+    """Banded correlated noise: the mechanism, its strategy and its noise state (DP-SGD's card has no such row)."""
+    banded = data.banded_noise
+    if banded is None:
+        return DROP
+    b = banded["bands"]
+    rows = [
+        f"| Noise mechanism | banded matrix factorization (banded Toeplitz C, b = {b} bands): step t adds row t of "
+        f"C^-1 Z times sigma C; epsilon after T steps is DP-SGD's of ceil(T / {b}) steps at (sigma, q_part) |"
+    ]
+    if banded.get("error") is not None:
+        rows.append(
+            f"| Noise strategy | optimized for {banded['workload']} over {banded['optimized_steps']} steps; "
+            f"sensitivity {_fmt(banded['sensitivity'])} per participation; error {_fmt(banded['error'])} x sigma C "
+            f"per step (DP-SGD: {_fmt(banded['dpsgd_error'])}) |"
+        )
+    rows.append(
+        f"| Noise state | the last b - 1 = {b - 1} rows of C^-1 Z ({_fmt(banded['state_bytes'] / 2**20)} MiB, the "
+        "trainable parameters' shape), held in memory only: never written or uploaded |"
+    )
+    return "\n".join(rows)
+
+
 def _sampling_scheme(data: DPModelCardData) -> str:
+    unit = "user" if data.user_column is not None else "example"
+    if data.banded_noise is not None:
+        b = data.banded_noise["bands"]
+        return (
+            f"cyclic Poisson (the {unit}s split into b = {b} fixed parts by a secret seed; step t samples part "
+            f"t mod {b}, each of its {unit}s included independently with probability q_part)"
+        )
     if data.poisson_sampling:
-        unit = "user" if data.user_column is not None else "example"
         return f"Poisson (each {unit} included independently with probability q)"
     return "shuffled fixed-size batches (sampling without replacement)"
 

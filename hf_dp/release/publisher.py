@@ -111,6 +111,7 @@ def card_data(trainer: Any, epsilon_plot: str | None = None) -> DPModelCardData:
         adaptive_clipping=_adaptive_fields(plan, callback.clip_norms),
         earlier_steps=callback.carried_steps,
         not_covered=list(callback.not_covered),
+        banded_noise=_banded_fields(trainer),
         **eval_card_fields(trainer),
     )
 
@@ -138,6 +139,26 @@ def _adaptive_fields(plan: Any, clip_norms: list[float]) -> dict[str, Any] | Non
         "gradient_noise_multiplier": plan.gradient_noise_multiplier,
         "clip_norms": list(clip_norms),
     }
+
+
+def _banded_fields(trainer: Any) -> dict[str, Any] | None:
+    """The card's fields of banded correlated noise (none for DP-SGD): the public strategy of the run (built at
+    ``train()``; its numbers only, never the noise state)."""
+    plan = trainer.dp_plan
+    if plan.noise_mechanism != "banded-toeplitz":
+        return None
+    parameters = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    fields = {"bands": plan.noise_bands, "state_bytes": (plan.noise_bands - 1) * parameters * 4}
+    strategy = getattr(trainer, "_banded_strategy", None)
+    if strategy is not None:
+        fields.update(
+            workload=strategy.workload,
+            optimized_steps=strategy.steps,
+            sensitivity=strategy.sensitivity(1),
+            error=strategy.error,
+            dpsgd_error=strategy.dpsgd_error,
+        )
+    return fields
 
 
 def _optimizer_name(trainer: Any) -> str:

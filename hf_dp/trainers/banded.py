@@ -18,6 +18,7 @@ counts the banded steps taken as DP-SGD steps at ``q_part``: an over-count).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..step.bandmf.noise import CorrelatedNoiseSource
@@ -36,24 +37,20 @@ def banded_strategy(plan: Any) -> BandedToeplitzStrategy:
 
 
 def noise_streams(
-    plan: Any, seed: int, *, secure: bool, stream: int, deterministic: bool
+    plan: Any, base: NoiseSource, counts: Callable[[], NoiseSource]
 ) -> tuple[Any, NoiseSource | None, BandedToeplitzStrategy | None]:
-    """``(gradient noise, count noise, strategy)`` of one start, from the secret ``seed``.
+    """``(gradient noise, count noise, strategy)`` of one start, from the run's secret ``base`` source.
 
-    DP-SGD, and banded noise with one band (exactly DP-SGD): the run's :class:`NoiseSource`, no separate count
-    stream. ``b > 1``: a :class:`CorrelatedNoiseSource` over it for the gradients, and the counts from stream
-    ``-1 - stream`` of the same secret (no process's gradient stream).
+    DP-SGD, and banded noise with one band (exactly DP-SGD): ``base``, no separate count stream. ``b > 1``: a
+    :class:`CorrelatedNoiseSource` over ``base`` for the gradients, and ``counts()`` (another stream of the same
+    secret, no process's gradient stream) for the counts released with them.
     """
-    base = NoiseSource(seed, secure=secure, stream=stream)
-    base.deterministic = deterministic
     if plan.noise_mechanism != BANDED:
         return base, None, None
     strategy = banded_strategy(plan)
     if plan.noise_bands == 1:
         return base, None, strategy
-    counts = NoiseSource(seed, secure=secure, stream=-1 - stream)
-    counts.deterministic = deterministic
-    return CorrelatedNoiseSource(base, strategy), counts, strategy
+    return CorrelatedNoiseSource(base, strategy), counts(), strategy
 
 
 def check_banded_continuation(args: Any, callback: Any, *, resuming: bool) -> None:

@@ -409,8 +409,15 @@ class DPTrainerMixin(SamplingHooks, PrivacyRecordHooks, ReleaseHooks):
             sampling_seed = args.data_seed if args.data_seed is not None else args.seed
         else:
             noise_seed, sampling_seed = broadcast_from_main([secrets.randbits(128), secrets.randbits(128)])
+
+        def source(index: int) -> NoiseSource:
+            made = NoiseSource(noise_seed, secure=args.secure_mode, stream=index)
+            made.deterministic = args.noise_seed is not None
+            return made
+
+        # banded noise: fp16's dropped count from stream -1 - stream of the same secret (never the gradients' normals)
         noise, count_noise, self._banded_strategy = noise_streams(
-            self.dp_plan, noise_seed, secure=args.secure_mode, stream=stream, deterministic=args.noise_seed is not None
+            self.dp_plan, source(stream), lambda: source(-1 - stream)
         )
         return noise, count_noise, sampling_seed
 

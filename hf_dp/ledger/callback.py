@@ -9,9 +9,9 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from ..accounting import PrivacyAccountant
+from ..accounting import PrivacyAccountant, banded_participations
 from ..accounting.methods import segments_epsilon
-from ..plan.privacy_plan import DPPlan, banded_steps
+from ..plan.privacy_plan import DPPlan
 from ..release.filter import release_state
 from .ledger import PrivacyLedger
 
@@ -139,7 +139,7 @@ class DPCallback(TrainerCallback, ExportableState):
             else:
                 own.append([float(self.noise_multiplier), float(self.sample_rate), future])
         carried = [(float(s[0]), float(s[1]), int(s[2])) for run in self.carried for s in run["history"]]
-        return carried + [(s, q, banded_steps(n, self.bands)) for s, q, n in own]
+        return carried + [(s, q, banded_participations(n, self.bands)) for s, q, n in own]
 
     @property
     def carried_steps(self) -> int:

@@ -7,12 +7,14 @@ noise is added, before the optimizer applies it, one JSON line per batch of step
 
     {"format": 2, "run": "3f2a...", "step": 12, "steps": 1, "noise_multiplier": 1.0, "sample_rate": 0.01,
      "max_grad_norm": 0.1, "delta": 1e-05, "accountant": "rdp", "unit": "example", "max_examples_per_user": null,
-     "num_examples": 1000, "data": "9b1c...", "prev": "5e0d...", "hash": "a41f..."}
+     "mechanism": "dp-sgd", "bands": 1, "num_examples": 1000, "data": "9b1c...", "prev": "5e0d...", "hash": "a41f..."}
 
 ``run`` identifies the run (random, drawn at its first ``train()``, saved with its checkpoints, kept by a resume);
 ``step`` is the index of the first noisy step of the line in that run (0-based, over every ``train()`` call and
 resume), ``steps`` how many consecutive steps with these settings the line records (C is the step's own under
-adaptive clipping). ``data`` is the fingerprint of the training set (:mod:`hf_dp.ledger.fingerprint`).
+adaptive clipping). ``mechanism`` and ``bands`` name the noise (``"banded-toeplitz"``: ``sample_rate`` is then the
+rate of the sampled part, and ``T`` steps account as ``ceil(T / bands)`` DP-SGD steps; read by another run as DP-SGD
+steps, an over-count). ``data`` is the fingerprint of the training set (:mod:`hf_dp.ledger.fingerprint`).
 
 **Tamper-evident.** ``hash`` is a hash of the line's other fields, ``prev`` the ``hash`` of the run's previous line
 ("" for its first): the lines of a run form a chain, so an edited line, a removed one or a ledger rewound to an earlier

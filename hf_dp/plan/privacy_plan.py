@@ -16,13 +16,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..accounting import banded_participations
 from ..accounting import noise_multiplier as calibrate_noise_multiplier
 from ..accounting.methods import segments_epsilon
 from ..argument_checks import check_finite
 from ..arguments import DPArgumentsMixin
 from ..step.adaptive_clipping import QuantileClipping, default_count_noise_multiplier, gradient_noise_multiplier
 
-__all__ = ["FROZEN_FIELDS", "DPPlan", "FrozenSettingsError", "banded_steps", "resolve_plan", "settings_snapshot"]
+__all__ = ["FROZEN_FIELDS", "DPPlan", "FrozenSettingsError", "resolve_plan", "settings_snapshot"]
 
 #: Fields of the training arguments that the run's privacy depends on besides the DP fields of ``DPArgumentsMixin``
 #: (the sample rate and the schedule, the loss scale policy). A change to any of them during ``train()`` is an error.
@@ -208,6 +209,11 @@ def resolve_plan(
     sample_rate = rate if bands == 1 else expected_batch_size * bands / num_examples  # q_part = b L / N: cyclic
     delta = _delta(args, num_examples, unit)
     num_steps = args.max_steps if args.max_steps and args.max_steps > 0 else math.ceil(args.num_train_epochs / rate)
+    if bands > num_steps:
+        raise ValueError(
+            f"`noise_bands={bands}` is more bands than the {num_steps} planned steps: the banded noise is optimized "
+            "for the run's steps. Use at most as many bands as steps (`noise_bands`), or more steps."
+        )
     draft = {
         "num_examples": num_examples,
         "expected_batch_size": expected_batch_size,
@@ -241,12 +247,6 @@ def _expected_batch_size(args, num_examples: int, world_size: int, unit: str) ->
             "Lower `per_device_train_batch_size` or `gradient_accumulation_steps`."
         )
     return expected_batch_size
-
-
-def banded_steps(steps: int, bands: int) -> int:
-    """The DP-SGD steps that ``steps`` steps of a ``bands``-banded mechanism with cyclic Poisson sampling account as:
-    ``ceil(steps / bands)``, the most participations of one unit (``steps`` for DP-SGD)."""
-    return -(-int(steps) // int(bands))
 
 
 def _bands(args, num_examples: int, expected_batch_size: int, unit: str) -> int:
@@ -294,7 +294,7 @@ def _noise_multiplier(
         ValueError: if no noise reaches the budget, or the accountant cannot state the epsilon of the whole plan.
     """
     sample_rate, delta, num_steps = draft["sample_rate"], draft["delta"], draft["num_steps"]
-    remaining = banded_steps(num_steps, bands) - banded_steps(min(steps_done, num_steps), bands)
+    remaining = banded_participations(num_steps, bands) - banded_participations(min(steps_done, num_steps), bands)
     if args.noise_multiplier is not None:
         check_finite("noise_multiplier", args.noise_multiplier, "a noise multiplier (e.g. 1.0)", zero=True)
         sigma = float(args.noise_multiplier)

@@ -28,6 +28,8 @@ def plan_summary(plan: DPPlan, *, steps_taken: int, epsilon: float) -> dict[str,
         "clipping_style": plan.clipping_style,
         "clipping_fn": plan.clipping_fn,
         "secure_mode": plan.secure_mode,
+        "noise_mechanism": plan.noise_mechanism,
+        "noise_bands": plan.noise_bands,
         "steps_taken": steps_taken,
         "epsilon": epsilon,
     }
@@ -42,6 +44,11 @@ def log_plan(plan: DPPlan, *, steps_taken: int, fixed_noise_seed: bool) -> None:
         adaptive = (
             f" (adaptive: quantile {plan.target_unclipped_quantile:g}; gradient sigma "
             f"{plan.gradient_noise_multiplier:.4g}, count sigma {plan.count_noise_multiplier:.4g})"
+        )
+    if plan.banded:
+        adaptive += (
+            f"; banded correlated noise, b={plan.noise_bands}: cyclic Poisson sampling (q is the rate of the sampled "
+            f"part), epsilon after T steps is DP-SGD's of ceil(T / {plan.noise_bands}) steps"
         )
     logger.warning(
         "hf_dp: DP training with sigma=%.4g, q=%.4g (L=%d of N=%d %ss), %d steps, delta=%.3g, target epsilon=%s "

@@ -1,18 +1,21 @@
 """Cyclic Poisson sampling: the sampling of banded correlated noise (``noise_mechanism="banded-toeplitz"``).
 
-The units of the training set (rows, or users with user-level DP) are split once into ``b`` fixed parts of sizes
-differing by at most one, by a permutation drawn from the run's secret sampling seed. Logical batch ``t`` (its draw
-index, which is the noisy step it is used for) samples only part ``t mod b``: each unit of that part is in the batch
-independently with probability ``q_part = b L / N`` (so ``L`` units are expected per step, as with Poisson sampling at
-``q = L / N``); units of the other parts are not. A unit can therefore be in two batches only ``b`` or more steps apart,
-which is what the amplified analysis of banded matrix factorization needs (Choquette-Choo et al. 2023): its epsilon
-after ``T`` steps is DP-SGD's for ``ceil(T / b)`` steps at ``(sigma, q_part)``.
+Every unit of the training set (a row, or a user with user-level DP) is put once in one of ``b`` fixed parts, chosen
+uniformly and independently of every other unit from the run's secret sampling seed (independent parts, not an equal
+split of a shuffled set: with an equal split, adding or removing one unit would move others between parts, and the
+accountants' neighbouring relation is add/remove; jax_privacy's ``PartitionType.INDEPENDENT``). Logical batch ``t``
+(its draw index, which is the noisy step it is used for) samples only part ``t mod b``: each unit of that part is in
+the batch independently with probability ``q_part = b L / N`` (so ``L`` units are expected per step, as with Poisson
+sampling at ``q = L / N``); units of the other parts are not. A unit can therefore be in two batches only ``b`` or
+more steps apart, which is what the amplified analysis of banded matrix factorization needs (Choquette-Choo et al.
+2023): its epsilon after ``T`` steps is DP-SGD's for ``ceil(T / b)`` steps at ``(sigma, q_part)``.
 
 The inclusion uniforms are those of :class:`~hf_dp.sampling.poisson.PoissonBatchSampler` (the key ``(seed, draw)``),
-so with ``b = 1`` (one part, the whole set) the batches are exactly its batches for the same seed. The permutation of
-the parts is keyed by the same secret (``SeedSequence([seed], spawn_key=(1,))`` of PCG64, or SHAKE-256 of
-``"{seed}:parts"`` with ``secure=True``), a stream no draw uses; it is never shown or written. The micro-batches, the
-ranks' shares, the length grouping and the users' row subsets are those of the Poisson samplers.
+so with ``b = 1`` (one part, the whole set) the batches are exactly its batches for the same seed. The parts are keyed
+by the same secret (``SeedSequence([seed], spawn_key=(1,))`` of PCG64, or SHAKE-256 of ``"{seed}:parts"`` with
+``secure=True``), a stream no draw uses; they are never shown or written. A unit's part depends on its index and the
+seed only, so a resume with the same seed keeps every unit in its part. The micro-batches, the ranks' shares, the
+length grouping and the users' row subsets are those of the Poisson samplers.
 """
 
 from __future__ import annotations
@@ -29,21 +32,16 @@ __all__ = ["CyclicPoissonBatchSampler", "CyclicPoissonUserBatchSampler", "cyclic
 
 
 def cyclic_parts(seed: int, num_units: int, bands: int, secure: bool = False) -> np.ndarray:
-    """The part (``0 .. bands-1``) of every unit: a secret-seeded permutation cut into ``bands`` blocks whose sizes
-    differ by at most one (all zeros for ``bands == 1``)."""
-    if bands < 1 or bands > num_units:
-        raise ValueError(f"`bands` must be in [1, {num_units}] (the units to split), got {bands}.")
-    parts = np.zeros(num_units, dtype=np.int64)
+    """The part (``0 .. bands-1``) of every unit, each uniform and independent of the others, from the secret seed
+    (all zeros for ``bands == 1``)."""
+    if bands < 1:
+        raise ValueError(f"`bands` must be >= 1, got {bands}.")
     if bands == 1:
-        return parts
+        return np.zeros(num_units, dtype=np.int64)
     if secure:
         stream = hashlib.shake_256(f"{seed}:parts".encode()).digest(8 * num_units)
-        order = np.argsort(np.frombuffer(stream, dtype=np.uint64), kind="stable")
-    else:
-        order = np.random.default_rng(np.random.SeedSequence([seed], spawn_key=(1,))).permutation(num_units)
-    for part, block in enumerate(np.array_split(order, bands)):
-        parts[block] = part
-    return parts
+        return (np.frombuffer(stream, dtype=np.uint64) % np.uint64(bands)).astype(np.int64)  # bias < b / 2**64
+    return np.random.default_rng(np.random.SeedSequence([seed], spawn_key=(1,))).integers(0, bands, num_units)
 
 
 def _check_rate(sample_rate: float, bands: int) -> None:

@@ -214,12 +214,6 @@ class DPStep:
         by_device: dict[torch.device, list[tuple[Tensor, float]]] = {}
         for target, sd in zip(targets, stds, strict=True):
             by_device.setdefault(target.device, []).append((target, sd))
-        if len(by_device) > 1 and source is self.noise and self.count_noise is not None:
-            raise RuntimeError(
-                "hf_dp: banded correlated noise needs every trainable parameter of a process on one device (its noise "
-                f"state follows one sequence of draws), but they are on {sorted(map(str, by_device))}. Place the "
-                "model on one device per process, or use `noise_mechanism='dp-sgd'`."
-            )
         for device, pairs in by_device.items():
             targets = [t for t, _ in pairs]
             noise = source.normal(

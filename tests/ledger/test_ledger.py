@@ -158,7 +158,9 @@ def test_every_noisy_step_is_in_the_ledger_before_anything_of_its_model_is_logge
     assert [(line["step"], line["steps"]) for line in lines] == [(0, 1), (1, 1), (2, 1), (3, 1)]
     keys = {"format", "run", "step", "steps", "noise_multiplier", "sample_rate", "num_examples", "data"}  # no time
     keys |= {"max_grad_norm", "delta", "accountant", "unit", "max_examples_per_user", "prev", "hash"}
+    keys |= {"mechanism", "bands"}  # the noise mechanism (issue 41)
     assert all(set(line) == keys for line in lines)
+    assert {(line["mechanism"], line["bands"]) for line in lines} == {("dp-sgd", 1)}
     assert {line["run"] for line in lines} == {t.dp_callback.run_id}
     key, _ = fingerprint_key(tmp_dir)
     assert {line["data"] for line in lines} == {data_fingerprint(t.train_dataset, key)["rows"]}

@@ -5,6 +5,7 @@ the noise buffers (the last b - 1 rows of C^-1 Z) or the secret seed that regene
 from __future__ import annotations
 
 import os
+from collections import deque
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ def tensors_in(obj, seen=None) -> list[torch.Tensor]:
         return [obj]
     if isinstance(obj, dict):
         return [t for v in obj.values() for t in tensors_in(v, seen)]
-    if isinstance(obj, list | tuple):
+    if isinstance(obj, list | tuple | deque | set):
         return [t for v in obj for t in tensors_in(v, seen)]
     if hasattr(obj, "__dict__") and not isinstance(obj, type):
         return [t for v in vars(obj).values() for t in tensors_in(v, seen)]

@@ -32,13 +32,17 @@ def test_one_band_users_is_user_poisson_sampling_bit_for_bit():
     assert list(cyclic) == list(plain)
 
 
-def test_parts_are_a_balanced_secret_split():
-    parts = cyclic_parts(seed=5, num_units=103, bands=4)
-    assert sorted(np.bincount(parts).tolist()) == [25, 26, 26, 26]
-    assert not np.array_equal(parts, cyclic_parts(seed=6, num_units=103, bands=4))  # depends on the seed
-    assert np.array_equal(parts, cyclic_parts(seed=5, num_units=103, bands=4))
-    secure = cyclic_parts(seed=5, num_units=103, bands=4, secure=True)
-    assert sorted(np.bincount(secure).tolist()) == [25, 26, 26, 26]
+def test_parts_are_independent_uniform_and_secret():
+    parts = cyclic_parts(seed=5, num_units=4000, bands=4)
+    counts = np.bincount(parts, minlength=4)
+    assert counts.sum() == 4000 and np.all(np.abs(counts - 1000) < 4 * np.sqrt(4000 * 0.25 * 0.75))
+    assert not np.array_equal(parts, cyclic_parts(seed=6, num_units=4000, bands=4))  # depends on the seed
+    assert np.array_equal(parts, cyclic_parts(seed=5, num_units=4000, bands=4))
+    # a unit's part depends on its index alone: adding units moves no one (add/remove neighbours)
+    assert np.array_equal(cyclic_parts(seed=5, num_units=4001, bands=4)[:4000], parts)
+    secure = cyclic_parts(seed=5, num_units=4000, bands=4, secure=True)
+    assert set(secure.tolist()) == {0, 1, 2, 3}
+    assert np.array_equal(secure, cyclic_parts(seed=5, num_units=4000, bands=4, secure=True))
 
 
 def test_step_t_samples_only_part_t_mod_b_at_the_part_rate():

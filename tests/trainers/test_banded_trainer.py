@@ -96,12 +96,12 @@ def test_calibration_reaches_the_target_at_the_last_step(tmp_dir, init):
 
 
 def test_budget_stop_counts_participations(tmp_dir, init):
-    trainer = trained(init, tmp_dir, max_steps=2, noise_bands=3, noise_multiplier=1.0, **BANDED)
+    trainer = trained(init, tmp_dir, max_steps=4, noise_bands=3, noise_multiplier=1.0, **BANDED)
     callback = trainer.dp_callback
     q, delta = trainer.dp_plan.sample_rate, trainer.dp_plan.delta
     budget = accounted_epsilon(1.0, sample_rate=q, steps=3, delta=delta)  # three participations
     callback.epsilon_budget = budget * (1 + 1e-9)
-    # 2 steps taken; 3 participations are 7 .. 9 steps of 3 bands: the budget allows 9 steps in all
+    # 4 steps taken (2 participations); 3 participations are 7 .. 9 steps of 3 bands: the budget allows 9 in all
     assert callback.steps_within_budget(max_future=100) == 9
 
 
@@ -137,6 +137,16 @@ def test_resume_with_dp_sgd_counts_the_banded_steps_as_dp_sgd_steps(tmp_dir, ini
     q_part, q = 0.4, 0.2
     rdp = resumed.dp_callback.accounted_history()
     assert rdp == [(1.0, q_part, 2), (1.0, q, 2)]  # an over-count of the banded steps (1 participation), never less
+
+
+def test_more_bands_than_steps_are_refused_before_training(tmp_dir):
+    with pytest.raises(ValueError, match="more bands than"):
+        DPTrainer(
+            model=gpt2(),
+            args=dp_args(tmp_dir, max_steps=2, noise_bands=3, **BANDED),
+            train_dataset=ToyDataset(40),
+            data_collator=collate,
+        )
 
 
 def test_a_part_rate_above_one_is_refused_before_training(tmp_dir):

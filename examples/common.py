@@ -203,6 +203,8 @@ def privacy_report(trainer: Trainer) -> dict:
         "steps": trainer.dp_callback.steps,
         "expected_batch_size": trainer.expected_batch_size,
         "per_sample_max_grad_norm": args.per_sample_max_grad_norm,
+        "noise_mechanism": plan.noise_mechanism,
+        "noise_bands": plan.noise_bands,
         **adaptive,
     }
 

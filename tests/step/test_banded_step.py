@@ -77,3 +77,36 @@ def test_the_noise_state_is_b_minus_1_rows_of_the_trainable_parameters():
         record.steps = t
         step.add_noise([torch.zeros_like(p) for p in model.parameters()])
     assert source.memory_bytes == 2 * sum(p.numel() for p in model.parameters()) * 4
+
+
+def test_fp16_banded_run_noises_gradients_correlated_and_the_dropped_count_from_its_own_stream(tmp_dir, monkeypatch):
+    from helpers.models import gpt2
+    from helpers.trainer import ToyDataset, collate, dp_args
+    from test_fp16 import with_cpu_fp16
+
+    from hf_dp import DPTrainer
+
+    calls = []
+    original = DPStep._add
+
+    def spy(self, source, targets, stds):
+        calls.append((source, [tuple(t.shape) for t in targets], list(stds)))
+        return original(self, source, targets, stds)
+
+    monkeypatch.setattr(DPStep, "_add", spy)
+    args = dp_args(tmp_dir, fp16=True, max_steps=4, noise_mechanism="banded-toeplitz", noise_bands=2)
+    trainer = with_cpu_fp16(
+        DPTrainer(model=gpt2(), args=args, train_dataset=ToyDataset(40), data_collator=collate), init_scale=2.0**8
+    )
+    trainer.train()
+    assert trainer.dp_callback.steps == 4
+    trainable = [tuple(p.shape) for p in trainer.model.parameters() if p.requires_grad]
+    gradient_calls, count_calls = calls[0::2], calls[1::2]
+    assert len(gradient_calls) == len(count_calls) == 4
+    for (grad_source, grad_shapes, grad_stds), (count_source, count_shapes, count_stds) in zip(
+        gradient_calls, count_calls, strict=True
+    ):
+        assert isinstance(grad_source, CorrelatedNoiseSource) and grad_shapes == trainable
+        assert isinstance(count_source, NoiseSource) and count_source.stream == -1 and count_shapes == [(1,)]
+        assert count_stds == [1.0]  # sigma of the dropped count (in units of examples)
+        assert grad_stds[0] == pytest.approx(2.0**8 / 8 * 1.0 * 0.1, rel=1e-6)  # w sigma C with w = K / L

@@ -1,6 +1,7 @@
 """The trainer side of banded correlated noise (``noise_mechanism="banded-toeplitz"``): the noise sources of a start,
 the strategy, and the refusals of a run that cannot continue the mechanism it began.
 
+The strategy is optimized for the run's workload (its SGD momentum and learning-rate schedule, or the prefix sums).
 The gradients get row ``t`` of ``C^{-1} Z`` at step ``t`` (:class:`~hf_dp.step.bandmf.noise.CorrelatedNoiseSource`
 over the run's secret :class:`~hf_dp.step.noise.NoiseSource`); fp16's dropped count, released with them, is noised
 from another stream of the same secret (never the gradients' standard normals), with independent noise at every step:
@@ -21,8 +22,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from transformers import get_scheduler
+
 from ..step.bandmf.noise import CorrelatedNoiseSource
-from ..step.bandmf.strategy import BandedToeplitzStrategy, optimize_banded_toeplitz
+from ..step.bandmf.strategy import MAX_SCHEDULE_STEPS, BandedToeplitzStrategy, optimize_banded_toeplitz
 from ..step.noise import NoiseSource
 
 __all__ = ["banded_strategy", "check_banded_continuation", "check_banded_plan", "noise_streams"]
@@ -30,14 +34,69 @@ __all__ = ["banded_strategy", "check_banded_continuation", "check_banded_plan", 
 BANDED = "banded-toeplitz"
 
 
-def banded_strategy(plan: Any) -> BandedToeplitzStrategy:
-    """The strategy of ``plan``: ``noise_bands`` bands optimized for the prefix sums of its ``num_steps`` steps
-    (cached in the process: the same plan gives the same object)."""
-    return optimize_banded_toeplitz(plan.num_steps, plan.noise_bands)
+def banded_strategy(plan: Any, trainer: Any = None) -> BandedToeplitzStrategy:
+    """The strategy of ``plan``: ``noise_bands`` bands optimized for its ``num_steps`` steps (cached in the process:
+    the same workload gives the same object). The workload is the prefix sums of the steps (the model after ``t``
+    steps of SGD at a constant learning rate), or, when the run's optimizer is plain SGD (``torch.optim.SGD``, no
+    dampening, no Nesterov), its momentum and its learning-rate schedule (the schedule only when the Trainer builds it
+    and it is positive at every step; a non-constant one over more than ``MAX_SCHEDULE_STEPS`` steps is left out)."""
+    steps, bands = plan.num_steps, plan.noise_bands
+    momentum = _sgd_momentum(trainer) if trainer is not None else None
+    if momentum is None:
+        return optimize_banded_toeplitz(steps, bands)
+    rates = _learning_rates(trainer, steps)
+    if rates is not None and len(set(rates)) > 1 and steps > MAX_SCHEDULE_STEPS:
+        rates = None
+    return optimize_banded_toeplitz(steps, bands, momentum=momentum, learning_rates=rates)
+
+
+def _sgd_momentum(trainer: Any) -> float | None:
+    """The momentum of the run's optimizer when it is plain SGD, else `None` (the given optimizer, or the one the
+    Trainer will build from `optim="sgd"` and `optim_args`)."""
+    optimizer = getattr(trainer, "optimizer", None)
+    while optimizer is not None and hasattr(optimizer, "optimizer"):  # accelerate's wrapper
+        optimizer = optimizer.optimizer
+    if optimizer is not None:
+        if type(optimizer) is not torch.optim.SGD:
+            return None
+        groups = optimizer.param_groups
+        if any(g.get("dampening", 0) != 0 or g.get("nesterov", False) for g in groups):
+            return None
+        momenta = {float(g.get("momentum", 0.0)) for g in groups}
+        return momenta.pop() if len(momenta) == 1 else None
+    args = trainer.args
+    if str(getattr(args.optim, "value", args.optim)) != "sgd":
+        return None
+    parsed = dict(item.split("=", 1) for item in (args.optim_args or "").replace(" ", "").split(",") if "=" in item)
+    if float(parsed.get("dampening", 0)) != 0 or parsed.get("nesterov", "false").lower() in ("true", "1", "yes"):
+        return None
+    return float(parsed.get("momentum", 0.0))
+
+
+def _learning_rates(trainer: Any, steps: int) -> list[float] | None:
+    """The learning rate of every step of the schedule the Trainer will build (`None`: a scheduler given by the
+    user, or a rate of 0 at some step, e.g. the first step of a warm-up)."""
+    if getattr(trainer, "lr_scheduler", None) is not None:
+        return None
+    args = trainer.args
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=args.learning_rate)
+    scheduler = get_scheduler(
+        args.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=args.get_warmup_steps(steps),
+        num_training_steps=steps,
+        scheduler_specific_kwargs=args.lr_scheduler_kwargs or {},
+    )
+    rates = []
+    for _ in range(steps):
+        rates.append(float(optimizer.param_groups[0]["lr"]))
+        optimizer.step()
+        scheduler.step()
+    return rates if all(rate > 0 for rate in rates) else None
 
 
 def noise_streams(
-    plan: Any, base: NoiseSource, counts: Callable[[], NoiseSource]
+    plan: Any, base: NoiseSource, counts: Callable[[], NoiseSource], trainer: Any = None
 ) -> tuple[Any, NoiseSource | None, BandedToeplitzStrategy | None]:
     """``(gradient noise, count noise, strategy)`` of one start, from the run's secret ``base`` source.
 
@@ -47,7 +106,7 @@ def noise_streams(
     """
     if plan.noise_mechanism != BANDED:
         return base, None, None
-    strategy = banded_strategy(plan)
+    strategy = banded_strategy(plan, trainer)
     if plan.noise_bands == 1:
         return base, None, strategy
     return CorrelatedNoiseSource(base, strategy), counts(), strategy

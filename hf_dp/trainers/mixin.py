@@ -417,7 +417,7 @@ class DPTrainerMixin(SamplingHooks, PrivacyRecordHooks, ReleaseHooks):
 
         # banded noise: fp16's dropped count from stream -1 - stream of the same secret (never the gradients' normals)
         noise, count_noise, self._banded_strategy = noise_streams(
-            self.dp_plan, source(stream), lambda: source(-1 - stream)
+            self.dp_plan, source(stream), lambda: source(-1 - stream), self
         )
         return noise, count_noise, sampling_seed
 

@@ -57,8 +57,8 @@ def test_the_noise_state_and_its_seed_are_in_no_file_and_no_upload(tmp_dir, hub,
     captured = {}
     streams = mixin.noise_streams
 
-    def capturing(plan, base, counts):
-        out = streams(plan, base, counts)
+    def capturing(plan, base, counts, trainer=None):
+        out = streams(plan, base, counts, trainer)
         captured["noise"], captured["seed"] = out[0], base._base
         return out
 

@@ -175,3 +175,28 @@ def test_unsupported_settings_are_refused_by_the_arguments(tmp_dir, overrides, m
 def test_bands_without_the_mechanism_are_refused(tmp_dir):
     with pytest.raises(ValueError, match="needs `noise_mechanism='banded-toeplitz'`"):
         dp_args(tmp_dir, noise_bands=4)
+
+
+def test_the_strategy_follows_the_runs_sgd_momentum_and_schedule(tmp_dir, init):
+    from hf_dp.step.bandmf import optimize_banded_toeplitz
+
+    steps, lr = 6, 1e-3
+    sgd = trained(
+        init,
+        os.path.join(tmp_dir, "sgd"),
+        max_steps=steps,
+        noise_bands=2,
+        optim="sgd",
+        optim_args="momentum=0.9",
+        learning_rate=lr,
+        lr_scheduler_type="linear",
+        **BANDED,
+    )
+    rates = [lr * (steps - t) / steps for t in range(steps)]  # linear decay to 0, no warm-up
+    expected = optimize_banded_toeplitz(steps, 2, momentum=0.9, learning_rates=rates)
+    assert sgd._banded_strategy.coefficients == pytest.approx(expected.coefficients, rel=1e-9)
+    assert "momentum 0.9" in sgd._banded_strategy.workload
+    adam = trained(init, os.path.join(tmp_dir, "adam"), max_steps=steps, noise_bands=2, **BANDED)
+    assert adam._banded_strategy is optimize_banded_toeplitz(steps, 2)  # AdamW: the prefix sums
+    card = open(os.path.join(tmp_dir, "sgd", "README.md")).read()
+    assert sgd._banded_strategy.workload in card

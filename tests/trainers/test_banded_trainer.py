@@ -200,3 +200,33 @@ def test_the_strategy_follows_the_runs_sgd_momentum_and_schedule(tmp_dir, init):
     assert adam._banded_strategy is optimize_banded_toeplitz(steps, 2)  # AdamW: the prefix sums
     card = open(os.path.join(tmp_dir, "sgd", "README.md")).read()
     assert sgd._banded_strategy.workload in card
+
+
+def test_user_level_banded_samples_users_of_one_part_per_step(tmp_dir):
+    from helpers.user_level import AuthoredDataset, RecordingCollate, user_args
+
+    from hf_dp.sampling.cyclic import cyclic_parts
+
+    torch.manual_seed(0)
+    dataset = AuthoredDataset([1, 2, 5, 3] * 10)  # 40 users, 110 rows
+    collate_rows = RecordingCollate()
+    args = dp_args(
+        tmp_dir,
+        max_steps=6,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        noise_bands=3,
+        **BANDED,
+        **user_args(tmp_dir, max_examples_per_user=3),
+    )
+    trainer = DPTrainer(model=gpt2(), args=args, train_dataset=dataset, data_collator=collate_rows)
+    assert trainer.sample_rate == pytest.approx(3 * 2 / 40)  # q_part = b L / N over users
+    trainer.train()
+    assert trainer.dp_callback.steps == 6
+    first_seen = list(dict.fromkeys(dataset.authors))
+    codes = {author: code for code, author in enumerate(first_seen)}  # the users' codes, in first-seen order
+    parts = cyclic_parts(0, 40, 3)  # the sampling seed of a test run is `seed` (0)
+    used = [batch for batch in collate_rows.authors if batch]
+    assert used  # some step sampled someone
+    steps_parts = [{int(parts[codes[a]]) for a in batch} for batch in used]
+    assert all(len(p) == 1 for p in steps_parts)  # every micro-batch holds users of one part only

@@ -350,8 +350,8 @@ def _sampling_scheme(data: DPModelCardData) -> str:
     if data.banded_noise is not None:
         b = data.banded_noise["bands"]
         return (
-            f"cyclic Poisson (the {unit}s split into b = {b} fixed parts by a secret seed; step t samples part "
-            f"t mod {b}, each of its {unit}s included independently with probability q_part)"
+            f"cyclic Poisson (each {unit} put in one of b = {b} fixed parts at random, from a secret seed; step t "
+            f"samples part t mod {b}, each of its {unit}s included independently with probability q_part)"
         )
     if data.poisson_sampling:
         return f"Poisson (each {unit} included independently with probability q)"

@@ -206,7 +206,11 @@ def _optimize(steps: int, bands: int, momentum: float, rates: tuple[float, ...] 
     candidates = [np.zeros(bands - 1), _sqrt_series(bands, momentum)[1:]]
     if bands > 1:
         result = optimize.minimize(
-            objective, candidates[1], jac=True, method="L-BFGS-B", options={"maxiter": _MAX_ITERATIONS, "ftol": 1e-13}
+            objective,
+            candidates[1],
+            jac=True,
+            method="L-BFGS-B",
+            options={"maxiter": _MAX_ITERATIONS, "ftol": 1e-15, "gtol": 1e-12},
         )
         candidates.append(np.asarray(result.x))
     best = min(candidates, key=lambda free: objective(free)[0])

@@ -80,6 +80,12 @@ class BandedToeplitzStrategy:
                 "`coefficients` must have c_0 > 0 and unit L2 norm (sensitivity 1 per participation), got "
                 f"c_0={coefficients[0]:g}, norm^2={float(coefficients @ coefficients):.12g}."
             )
+        if not _stable(coefficients):
+            raise ValueError(
+                "`coefficients` have a root of sum c_k x^k in the closed unit disc: the "
+                "noise recursion w_t = (z_t - sum_j c_j w_{t-j}) / c_0 would grow without bound in floating point. "
+                "Use coefficients from `optimize_banded_toeplitz` (their roots lie outside the unit circle)."
+            )
         if self.steps < coefficients.size:
             raise ValueError(f"`steps`={self.steps} must be at least the number of bands {coefficients.size}.")
 
@@ -186,6 +192,12 @@ def _sqrt_series(bands: int, momentum: float) -> np.ndarray:
     return np.convolve(half, half * momentum**k)[:bands]
 
 
+def _stable(coefficients: np.ndarray) -> bool:
+    """Whether every root of ``sum c_k x^k`` lies outside the closed unit disc (no root: ``C`` diagonal)."""
+    roots = np.roots(coefficients[::-1]) if coefficients.size > 1 else np.array([])
+    return not roots.size or float(np.min(np.abs(roots))) > 1.0
+
+
 @lru_cache(maxsize=64)
 def _optimize(steps: int, bands: int, momentum: float, rates: tuple[float, ...] | None) -> BandedToeplitzStrategy:
     den, term, name = _workload(steps, momentum, rates)
@@ -213,7 +225,8 @@ def _optimize(steps: int, bands: int, momentum: float, rates: tuple[float, ...] 
             options={"maxiter": _MAX_ITERATIONS, "ftol": 1e-15, "gtol": 1e-12},
         )
         candidates.append(np.asarray(result.x))
-    best = min(candidates, key=lambda free: objective(free)[0])
+    stable = [free for free in candidates if _stable(np.concatenate([[1.0], free]))]  # C^{-1}'s recursion decays
+    best = min(stable, key=lambda free: objective(free)[0])
     c = np.concatenate([[1.0], best])
     loss = objective(best)[0]
     return BandedToeplitzStrategy(

@@ -16,8 +16,9 @@ participation costs 1, as in DP-SGD; ``k`` participations at least ``m >= b`` st
 The strategy minimizes (max column norm)^2 ``* ||A C^{-1}||_F^2`` (the workload's expected squared error per unit of
 ``sigma^2 C_clip^2``) over ``c_1 .. c_{b-1}`` with ``c_0 = 1`` (the objective does not change with the scale), by
 L-BFGS on exact float64 gradients (:mod:`.workload`), from the coefficients of the square root of the workload's
-series (optimal for ``b = n`` up to a constant; jax_privacy starts its banded search from the same family). The best
-of that start, the optimum and DP-SGD (``C = I``) is kept, so ``error <= dpsgd_error`` always.
+series (for prefix sums ``C = A^{1/2}``, Fichtenberger, Henzinger & Upadhyay 2022, optimal for the max error at
+``b = n``; jax_privacy's ``optimize_banded_toeplitz`` starts from the same coefficients). The best of that start, the
+optimum and DP-SGD (``C = I``) among those whose recursion is stable is kept, so ``error <= dpsgd_error`` always.
 
 Verified against jax_privacy (google-deepmind/jax_privacy, commit 8967688, read to learn, no code taken):
 ``jax_privacy/matrix_factorization/toeplitz.py: optimize_banded_toeplitz`` (prefix workload, coefficients returned

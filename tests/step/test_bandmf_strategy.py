@@ -127,3 +127,5 @@ def test_refusals():
         optimize_banded_toeplitz(MAX_SCHEDULE_STEPS + 1, 2, learning_rates=np.linspace(1, 0.1, MAX_SCHEDULE_STEPS + 1))
     with pytest.raises(ValueError, match="unit L2 norm"):
         BandedToeplitzStrategy((1.0, 0.5), steps=10, workload="x", error=1.0, dpsgd_error=1.0)
+    with pytest.raises(ValueError, match="grow without bound"):  # 0.6 - 0.8 x: root 0.75, w_t grows like (4/3)^t
+        BandedToeplitzStrategy((0.6, -0.8), steps=10, workload="x", error=1.0, dpsgd_error=1.0)

@@ -8,8 +8,10 @@ the whole sum, under FSDP2 each process its shards with its own stream), so ``b 
     w_t = (z_t - sum_{j=1}^{b-1} c_j w_{t-j}) / c_0,
 
 which needs the last ``b - 1`` rows of ``W`` only: ``b - 1`` tensors of the noised shapes per device, in the draw
-dtype (float32 for float32 gradients; float64 in the float64 tests). Rounding in float32 perturbs ``C W = Z`` by
-~1e-7 relative, the order of the rounding of the noised sum itself.
+dtype (float32 for float32 or bfloat16 gradients; float64 in the float64 tests). The recursion is stable (the roots
+of ``sum c_k x^k`` lie outside the unit circle, checked by the strategy), so float32 rounding does not accumulate:
+measured against the float64 recursion on the same ``Z``, at most 1e-5 absolute on values of RMS 3 over 5,000 steps
+with ``b = 64``, the order of the rounding of the noised sum itself.
 
 The rows kept are a secret: with them anyone can compute the noise of the coming steps (it is a function of them and
 of ``z_t``) and subtract part of it. They live in memory only: the source refuses pickling, has no ``state_dict``,

@@ -16,8 +16,9 @@ participation costs 1, as in DP-SGD; ``k`` participations at least ``m >= b`` st
 The strategy minimizes (max column norm)^2 ``* ||A C^{-1}||_F^2`` (the workload's expected squared error per unit of
 ``sigma^2 C_clip^2``) over ``c_1 .. c_{b-1}`` with ``c_0 = 1`` (the objective does not change with the scale), by
 L-BFGS on exact float64 gradients (:mod:`.workload`), from the coefficients of the square root of the workload's
-series (optimal for ``b = n`` up to a constant; jax_privacy starts its banded search from the same family). The best
-of that start, the optimum and DP-SGD (``C = I``) is kept, so ``error <= dpsgd_error`` always.
+series (for prefix sums ``C = A^{1/2}``, Fichtenberger, Henzinger & Upadhyay 2022, optimal for the max error at
+``b = n``; jax_privacy's ``optimize_banded_toeplitz`` starts from the same coefficients). The best of that start, the
+optimum and DP-SGD (``C = I``) among those whose recursion is stable is kept, so ``error <= dpsgd_error`` always.
 
 Verified against jax_privacy (google-deepmind/jax_privacy, commit 8967688, read to learn, no code taken):
 ``jax_privacy/matrix_factorization/toeplitz.py: optimize_banded_toeplitz`` (prefix workload, coefficients returned
@@ -79,6 +80,12 @@ class BandedToeplitzStrategy:
             raise ValueError(
                 "`coefficients` must have c_0 > 0 and unit L2 norm (sensitivity 1 per participation), got "
                 f"c_0={coefficients[0]:g}, norm^2={float(coefficients @ coefficients):.12g}."
+            )
+        if not _stable(coefficients):
+            raise ValueError(
+                "`coefficients` have a root of sum c_k x^k in the closed unit disc: the "
+                "noise recursion w_t = (z_t - sum_j c_j w_{t-j}) / c_0 would grow without bound in floating point. "
+                "Use coefficients from `optimize_banded_toeplitz` (their roots lie outside the unit circle)."
             )
         if self.steps < coefficients.size:
             raise ValueError(f"`steps`={self.steps} must be at least the number of bands {coefficients.size}.")
@@ -186,6 +193,12 @@ def _sqrt_series(bands: int, momentum: float) -> np.ndarray:
     return np.convolve(half, half * momentum**k)[:bands]
 
 
+def _stable(coefficients: np.ndarray) -> bool:
+    """Whether every root of ``sum c_k x^k`` lies outside the closed unit disc (no root: ``C`` diagonal)."""
+    roots = np.roots(coefficients[::-1]) if coefficients.size > 1 else np.array([])
+    return not roots.size or float(np.min(np.abs(roots))) > 1.0
+
+
 @lru_cache(maxsize=64)
 def _optimize(steps: int, bands: int, momentum: float, rates: tuple[float, ...] | None) -> BandedToeplitzStrategy:
     den, term, name = _workload(steps, momentum, rates)
@@ -206,10 +219,15 @@ def _optimize(steps: int, bands: int, momentum: float, rates: tuple[float, ...] 
     candidates = [np.zeros(bands - 1), _sqrt_series(bands, momentum)[1:]]
     if bands > 1:
         result = optimize.minimize(
-            objective, candidates[1], jac=True, method="L-BFGS-B", options={"maxiter": _MAX_ITERATIONS, "ftol": 1e-13}
+            objective,
+            candidates[1],
+            jac=True,
+            method="L-BFGS-B",
+            options={"maxiter": _MAX_ITERATIONS, "ftol": 1e-15, "gtol": 1e-12},
         )
         candidates.append(np.asarray(result.x))
-    best = min(candidates, key=lambda free: objective(free)[0])
+    stable = [free for free in candidates if _stable(np.concatenate([[1.0], free]))]  # C^{-1}'s recursion decays
+    best = min(stable, key=lambda free: objective(free)[0])
     c = np.concatenate([[1.0], best])
     loss = objective(best)[0]
     return BandedToeplitzStrategy(

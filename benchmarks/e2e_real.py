@@ -595,7 +595,7 @@ def table(records: dict, args, info: dict, argv: list[str]) -> str:
                 lines.append(f"| {name} | - | - | {r['status']}: {r['reason']} | - |")
                 continue
             x = f"{r['max_batch'] / ref['max_batch']:.2f}" if ref.get("status") == "ok" and ref["max_batch"] else "-"
-            lines.append(f"| {name} | {r['max_batch']} | {r['first_fail']} | {r['stopped']} | {x} |")
+            lines.append(f"| {name} | {r['max_batch']} | {r['first_fail'] or '-'} | {r['stopped']} | {x} |")
     return "\n".join(lines) + "\n"
 
 

@@ -101,12 +101,35 @@ def self_check(
     names = {p: n for n, p in model.named_parameters()}
     flags = [(m, m.training) for m in model.modules()]
     devices = sorted({p.device for p in model.parameters()}, key=str)
+    inputs, count = _checked_rows(model, inputs, num_examples)
+    try:
+        return _checks(clipper, inputs, per_example_loss, count, (trainable, names, flags, devices))
+    finally:
+        # the checks of the whole micro-batch (each loss depends on its own example alone; every use of a parameter
+        # is covered, in the mode training runs) are not taken from the checked examples: they run again on the
+        # next forward and backward passes
+        clipper._verified, clipper._support_checked = None, False
+
+
+def _checked_rows(model: nn.Module, inputs: dict, num_examples: int) -> tuple[dict, int]:
+    """The micro-batch cut to the examples the check compares (their norms do not depend on the other examples'
+    rows, which the support check proves on the whole micro-batch), and how many there are."""
+    batch = root_batch(model, (), inputs)
+    count = min(num_examples, batch.size)
+    if count == batch.size:
+        return inputs, count
+    return slice_batch((), inputs, batch, list(range(count)))[1], count
+
+
+def _checks(clipper, inputs: dict, per_example_loss, count: int, context: tuple) -> float:
+    """The eval-mode check and, if training runs (part of) the model in training mode, the training-mode one."""
+    model: nn.Module = clipper.model
+    trainable, names, flags, devices = context
     with frozen_rng(devices), kept_state(model):  # training then computes what it would without the check
         model.eval()
         try:
             engine = clipper._parameter_norms(inputs, per_example_loss)
             batch = root_batch(model, (), inputs)
-            count = min(num_examples, batch.size)
             reference: list[dict[nn.Parameter, float]] = []
             with clipper._inert():
                 for i in range(count):

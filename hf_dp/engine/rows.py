@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 from torch import Tensor, nn
 
 from ..layers import Captured, LayerRule, Layout

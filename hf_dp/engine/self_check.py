@@ -107,13 +107,34 @@ def self_check(
     flags = [(m, m.training) for m in model.modules()]
     devices = sorted({p.device for p in model.parameters()}, key=str)
     inputs, count = _checked_rows(model, inputs, num_examples)
+    # the checks of the whole micro-batch (each loss depends on its own example alone; every use of a parameter is
+    # covered, in the mode training runs) are not taken from the checked examples: they run on the micro-batch's own
+    # forward and backward passes (the support check here only to explain a failure)
+    clipper._support_checked = True
     try:
         return _checks(clipper, inputs, per_example_loss, count, (trainable, names, flags, devices))
+    except SelfCheckError:
+        _explain(clipper, inputs, per_example_loss, flags, devices)
+        raise
     finally:
-        # the checks of the whole micro-batch (each loss depends on its own example alone; every use of a parameter
-        # is covered, in the mode training runs) are not taken from the checked examples: they run again on the
-        # next forward and backward passes
         clipper._verified, clipper._support_checked = None, False
+
+
+def _explain(clipper, inputs: dict, per_example_loss, flags: list, devices: list) -> None:
+    """After a failed check: the support check's error instead, if a loss depends on another checked example (a loss
+    that couples examples, or inputs that are not batch-first, rather than a wrong rule)."""
+    clipper._support_checked = False
+    with frozen_rng(devices), kept_state(clipper.model):
+        clipper.model.eval()
+        try:
+            clipper._parameter_norms(inputs, per_example_loss)
+        except UnsupportedModuleError as err:  # the support check's (anything else: the self-check's error stands)
+            raise err from None
+        except Exception:
+            pass
+        finally:
+            for m, flag in flags:
+                m.training = flag
 
 
 def _checked_rows(model: nn.Module, inputs: dict, num_examples: int) -> tuple[dict, int]:

@@ -269,12 +269,14 @@ class BookKeepingClipper(
         """Compare the engine's per-example gradient norms with plain per-example autograd on a real micro-batch.
 
         In eval mode (training flags restored afterwards) and without changing the random number streams, the engine
-        computes per-parameter per-example norms of ``per_example_loss(model, inputs)`` in a norms-only pass (no
-        ``p.grad``, no clipper state touched); then each of the first ``num_examples`` examples runs alone (every
-        batch tensor of ``inputs`` sliced to ``[i:i+1]``) through an ordinary backward pass with the clipper's hooks
-        standing aside. Every parameter is compared on its own: an error fails beyond float64 1e-6, float32 1e-3,
-        bfloat16/float16 5e-2 of the example's total norm, or beyond 1e-6, 1e-2, 2e-1 of the parameter's own norm
-        (above a round-off floor; :mod:`hf_dp.engine.self_check`), so a small parameter that is wrong fails too.
+        computes per-parameter per-example norms of ``per_example_loss(model, inputs)`` cut to its first
+        ``num_examples`` examples in a norms-only pass (no ``p.grad``, no clipper state touched); then each of them
+        runs alone (every batch tensor of ``inputs`` sliced to ``[i:i+1]``) through an ordinary backward pass with
+        the clipper's hooks standing aside. The checks of a whole micro-batch (each loss depends on its own example
+        alone; every use of a parameter covered) are not taken from the cut: they run on the next micro-batch.
+        Every parameter is compared on its own: an error fails beyond float64 1e-6, float32 1e-3, bfloat16/float16
+        5e-2 of the example's total norm, or beyond 1e-6, 1e-2, 2e-1 of the parameter's own norm (above a round-off
+        floor; :mod:`hf_dp.engine.self_check`), so a small parameter that is wrong fails too.
 
         Args:
             inputs (`dict`): a micro-batch, as ``per_example_loss`` takes it.

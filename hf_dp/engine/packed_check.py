@@ -23,7 +23,7 @@ from ..layers import UnsupportedModuleError
 from .batch import root_batch
 from .packed import Segments, segments_of
 from .probe import frozen_rng
-from .self_check import SelfCheckError, _compare, _tolerances, _training_mode_norms
+from .self_check import SelfCheckError, _compare, _tolerances, _training_mode_norms, grad_norms
 
 __all__ = ["packed_self_check", "solo_batch"]
 
@@ -122,7 +122,7 @@ def _alone(model, inputs, segments, sequence, per_example_loss, trainable) -> tu
     if loss.shape != (1,):
         raise ValueError(f"`per_example_loss` returned shape {tuple(loss.shape)} for one sequence; expected (1,).")
     grads = torch.autograd.grad(loss.sum(), trainable, allow_unused=True)
-    norms = {p: (0.0 if g is None else float(g.double().norm())) for p, g in zip(trainable, grads, strict=True)}
+    norms = grad_norms(trainable, grads)
     return float(loss.detach().double()), norms
 
 

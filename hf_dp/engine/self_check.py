@@ -8,6 +8,11 @@ check is repeated in that mode (dropout, SpecAugment, router jitter: paths eval 
 pass and the reference's drawing the same random numbers; there the reference differentiates each example's loss of
 the batched forward on its own.
 
+The check runs on the compared examples alone (the micro-batch cut to them): their norms do not depend on the other
+examples' rows, which the support check proves on the whole micro-batch. That check and the verification of the
+training-mode forward are left to the micro-batch itself (they run on its own forward and backward passes), so the
+self-check costs a pass on a few examples, not several on the whole micro-batch (issue 40).
+
 Every parameter is checked on its own (DESIGN §19): a parameter whose norm is a small share of the total (an MoE
 router) can be 100% wrong while the total is within any tolerance. A parameter fails when its error exceeds
 ``SELF_CHECK_TOLERANCE`` of the example's total norm, or ``PARAMETER_TOLERANCE`` of the parameter's own norm (the
@@ -101,12 +106,56 @@ def self_check(
     names = {p: n for n, p in model.named_parameters()}
     flags = [(m, m.training) for m in model.modules()]
     devices = sorted({p.device for p in model.parameters()}, key=str)
+    inputs, count = _checked_rows(model, inputs, num_examples)
+    # the checks of the whole micro-batch (each loss depends on its own example alone; every use of a parameter is
+    # covered, in the mode training runs) are not taken from the checked examples: they run on the micro-batch's own
+    # forward and backward passes (the support check here only to explain a failure)
+    clipper._support_checked = True
+    try:
+        return _checks(clipper, inputs, per_example_loss, count, (trainable, names, flags, devices))
+    except SelfCheckError:
+        _explain(clipper, inputs, per_example_loss, flags, devices)
+        raise
+    finally:
+        clipper._verified, clipper._support_checked = None, False
+
+
+def _explain(clipper, inputs: dict, per_example_loss, flags: list, devices: list) -> None:
+    """After a failed check: the support check's error instead, if a loss depends on another checked example (a loss
+    that couples examples, or inputs that are not batch-first, rather than a wrong rule)."""
+    clipper._support_checked = False
+    with frozen_rng(devices), kept_state(clipper.model):
+        clipper.model.eval()
+        try:
+            clipper._parameter_norms(inputs, per_example_loss)
+        except UnsupportedModuleError as err:  # the support check's (anything else: the self-check's error stands)
+            raise err from None
+        except Exception:
+            pass
+        finally:
+            for m, flag in flags:
+                m.training = flag
+
+
+def _checked_rows(model: nn.Module, inputs: dict, num_examples: int) -> tuple[dict, int]:
+    """The micro-batch cut to the examples the check compares (their norms do not depend on the other examples'
+    rows, which the support check proves on the whole micro-batch), and how many there are."""
+    batch = root_batch(model, (), inputs)
+    count = min(num_examples, batch.size)
+    if count == batch.size:
+        return inputs, count
+    return slice_batch((), inputs, batch, list(range(count)))[1], count
+
+
+def _checks(clipper, inputs: dict, per_example_loss, count: int, context: tuple) -> float:
+    """The eval-mode check and, if training runs (part of) the model in training mode, the training-mode one."""
+    model: nn.Module = clipper.model
+    trainable, names, flags, devices = context
     with frozen_rng(devices), kept_state(model):  # training then computes what it would without the check
         model.eval()
         try:
             engine = clipper._parameter_norms(inputs, per_example_loss)
             batch = root_batch(model, (), inputs)
-            count = min(num_examples, batch.size)
             reference: list[dict[nn.Parameter, float]] = []
             with clipper._inert():
                 for i in range(count):
@@ -117,12 +166,7 @@ def self_check(
                             f"`per_example_loss` returned shape {tuple(loss.shape)} for one example; expected (1,)."
                         )
                     grads = torch.autograd.grad(loss.sum(), trainable, allow_unused=True)
-                    reference.append(
-                        {
-                            p: (0.0 if g is None else float(g.double().norm()))
-                            for p, g in zip(trainable, grads, strict=True)
-                        }
-                    )
+                    reference.append(grad_norms(trainable, grads))
         finally:
             for m, flag in flags:
                 m.training = flag
@@ -134,6 +178,22 @@ def self_check(
         if trained is not None:
             worst = max(worst, _compare(*trained, trainable, names, (tol, own_tol, floor), " in training mode"))
     return worst
+
+
+def grad_norms(params: list[nn.Parameter], grads) -> dict[nn.Parameter, float]:
+    """Each gradient's norm in float64 (0 where it is ``None``), read to the host once per device."""
+    norms: dict[nn.Parameter, float] = {}
+    by_device: dict[torch.device, list[tuple[nn.Parameter, Tensor]]] = {}
+    for p, g in zip(params, grads, strict=True):
+        if g is None:
+            norms[p] = 0.0
+        else:
+            g = g.abs() if g.is_complex() else g
+            by_device.setdefault(g.device, []).append((p, torch.linalg.vector_norm(g, dtype=torch.float64)))
+    for pairs in by_device.values():
+        values = torch.stack([n for _, n in pairs]).tolist()
+        norms.update((p, v) for (p, _), v in zip(pairs, values, strict=True))
+    return norms
 
 
 def _rng_state(devices: list[torch.device]) -> tuple:
@@ -154,7 +214,7 @@ def _training_mode_norms(clipper, inputs, per_example_loss, trainable, count, de
     """``(engine, reference)`` per-parameter norms of the first ``count`` examples with the model in the mode training
     uses (dropout, SpecAugment's masks, router jitter), or ``None`` if the random draws could not be replayed.
 
-    Both passes run the whole micro-batch from the same random state (torch, NumPy and Python generators): the
+    Both passes run the checked examples from the same random state (torch, NumPy and Python generators): the
     reference differentiates each example's loss of that batched forward on its own (plain autograd on the batch's
     graph, exact under any random draw, since the first batch showed that loss ``i`` depends on example ``i``
     alone), the engine book-keeps its own forward. The generators are restored afterwards, so training draws what it
@@ -174,7 +234,7 @@ def _training_mode_norms(clipper, inputs, per_example_loss, trainable, count, de
                     for v, _ in kept.values():
                         v.grad = None
                     torch.autograd.backward(loss[i], retain_graph=i + 1 < count)
-                    reference.append({p: (0.0 if p.grad is None else float(p.grad.double().norm())) for p in trainable})
+                    reference.append(grad_norms(trainable, [p.grad for p in trainable]))
             finally:
                 for v, grad in kept.values():
                     v.grad = grad

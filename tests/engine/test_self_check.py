@@ -248,3 +248,45 @@ def test_dropout_in_training_mode_passes(float64):
     model.train()
     assert clipper.self_check(_batch(), _net_loss) < 1e-9
     clipper.remove()
+
+
+def _coupled_beyond_three(model, batch):
+    """Each example's own loss, and the last one also takes the losses of examples 3 and on: a coupling the first
+    three examples alone do not show."""
+    per = _net_loss(model, batch)
+    if per.shape[0] <= 4:
+        return per
+    extra = torch.zeros_like(per)
+    extra[-1] = per[3:-1].sum()
+    return per + extra
+
+
+def test_the_whole_micro_batch_is_still_support_checked(float64):
+    """The self-check runs on its three examples; the check that each loss depends on its own example alone still
+    runs on the whole micro-batch, at its own backward pass."""
+    torch.manual_seed(0)
+    model = _Net().double()
+    batch = {"ids": torch.randint(0, 11, (6, 4), generator=torch.Generator().manual_seed(0))}
+    clipper = BookKeepingClipper(model, max_grad_norm=1.0)
+    assert clipper.self_check(batch, _coupled_beyond_three) < 1e-9
+    with pytest.raises(UnsupportedModuleError, match="couples examples"):
+        clipper.backward(_coupled_beyond_three(model, batch))
+    assert all(p.grad is None for p in model.parameters())
+    clipper.remove()
+
+
+def test_a_loss_that_couples_the_checked_examples_is_named_as_such(float64):
+    """A batch-mean in the loss: the self-check's comparison fails, and the error says the loss couples examples (the
+    support check's), not that a rule is wrong."""
+    torch.manual_seed(0)
+    model = _Net().double()
+    clipper = BookKeepingClipper(model, max_grad_norm=1.0)
+
+    def centred(m, b):
+        per = _net_loss(m, b)
+        return per - per.mean()
+
+    with pytest.raises(UnsupportedModuleError, match="couples examples") as caught:
+        clipper.self_check(_batch(), centred)
+    assert not isinstance(caught.value, SelfCheckError)
+    clipper.remove()

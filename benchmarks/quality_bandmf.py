@@ -56,6 +56,13 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="OMP/MKL threads per run")
     p.add_argument("--out", default="bench_out/bandmf")
     p.add_argument("--collect", action="store_true", help="only tabulate the runs already in --out")
+    p.add_argument(
+        "--head",
+        default="mean",
+        choices=["mean", "cls", "prompt"],
+        help="classifier: mean (a linear layer on the masked mean, the pooling all-MiniLM-L6-v2 was trained with), "
+        "cls (the model's own head) or prompt (the MLM head, which this checkpoint does not ship)",
+    )
     args = p.parse_args(argv)
     if args.logical_batch % args.micro_batch:
         p.error("--logical_batch must be a multiple of --micro_batch")
@@ -81,7 +88,9 @@ def command(args: argparse.Namespace, model: str, eps: float, bands: int | None,
     cmd += ["--max_eval_samples", str(args.max_eval_rows)] if args.max_eval_rows else []
     if bands is not None:
         cmd += ["--noise_mechanism", "banded-toeplitz", "--noise_bands", str(bands)]
-    return cmd
+    if args.head == "prompt":
+        return cmd + ["--head", "prompt"]
+    return cmd + ["--head", "classification", "--pooling", args.head]
 
 
 def run(cmd: list[str], out: str, threads: int) -> str | None:

@@ -37,6 +37,9 @@ __all__ = ["GroupClipping"]
 #: Instantiated gradients of at most this many entries per example are normed and summed side by side (one op for
 #: all of a group's biases and norm weights; larger ones on their own, so that nothing large is copied).
 SIDE_BY_SIDE = 1 << 16
+#: A per-example gradient with a dense factor of more bytes than this is masked and summed over chunks of examples,
+#: so that the masked copy stays this small (the lm_head's ``[B, T, V]`` output gradient would be copied whole).
+CHUNK_BYTES = 16 << 20
 
 
 class GroupClipping:
@@ -97,9 +100,9 @@ class GroupClipping:
                 # the dtype of the parameter the optimizer steps on (FSDP2 may compute in a lower one)
                 dtype = self._registered.get(q, q).dtype
                 if parts and total is None:
-                    total = weighted_sum(_masked(parts[0], keep, zeros), coef, dtype, views=views)
+                    total = _clipped_sum(parts[0], coef, keep, dtype, zeros, views)
                     for part in parts[1:]:
-                        total += weighted_sum(_masked(part, keep, zeros), coef, dtype, views=views)
+                        total += _clipped_sum(part, coef, keep, dtype, zeros, views)
                     del parts
                 self._deliver(p, q, total)
         p.done[g] = True
@@ -217,6 +220,42 @@ class GroupClipping:
             q.grad = p.grads_before[q]
             self._deliver(p, q, total)
         return coef.detach()
+
+
+def _clipped_sum(
+    grad: PerExampleGrad, coef: Tensor, keep: Tensor, dtype: torch.dtype, zeros: dict, views: dict
+) -> Tensor:
+    """``sum_{i in keep} coef_i G_i``: in one go, or over chunks of examples for a gradient with a dense factor over
+    :data:`CHUNK_BYTES` (the masked and scaled copies are then one chunk's; the result is the same sum)."""
+    dense = [f for f in _factors(grad) if isinstance(f, Tensor)]
+    units = coef.shape[0]
+    largest = max((f.numel() * f.element_size() for f in dense), default=0)
+    if largest <= CHUNK_BYTES or units < 2 or any(f.dim() == 0 or f.shape[0] != units for f in dense):
+        return weighted_sum(_masked(grad, keep, zeros), coef, dtype, views=views)
+    rows = max(1, units * CHUNK_BYTES // largest)
+    total = None
+    for start in range(0, units, rows):
+        end = min(start + rows, units)
+        part = weighted_sum(_masked(_examples(grad, start, end), keep[start:end], {}), coef[start:end], dtype)
+        total = part if total is None else total.add_(part)
+    return total
+
+
+def _factors(grad: PerExampleGrad) -> tuple:
+    return (grad.value,) if isinstance(grad, InstantiatedGrad) else (grad.left, grad.right)
+
+
+def _examples(grad: PerExampleGrad, start: int, end: int) -> PerExampleGrad:
+    """The per-example gradients of examples ``start .. end - 1`` (views, no copy)."""
+
+    def rows(f):
+        if isinstance(f, IndexFactor):
+            return IndexFactor(f.index[start:end], f.size, f.distinct)
+        return f[start:end]
+
+    if isinstance(grad, InstantiatedGrad):
+        return InstantiatedGrad(grad.value[start:end])
+    return FactoredGrad(rows(grad.left), rows(grad.right), grad.shape)
 
 
 def _masked(grad: PerExampleGrad, keep: Tensor, zeros: dict) -> PerExampleGrad:

@@ -18,6 +18,9 @@ from ..layers.grads import PerExampleGrad, fold
 
 __all__ = ["closed_form_grads", "foreign_rows", "grad_layout", "to_rows"]
 
+#: Entries of an output gradient checked at a time by :func:`foreign_rows` (its two boolean masks are this long).
+FLAG_CHUNK = 1 << 22
+
 
 def to_rows(t: Tensor, layout: Layout, batch_size: int) -> Tensor:
     """``t`` with the rows of the examples along dimension 0 (``k * batch_size`` of them, example-contiguous)."""
@@ -57,5 +60,13 @@ def foreign_rows(grad: Tensor, layout: Layout, batch_size: int, example: int) ->
     """
     g = to_rows(grad, grad_layout(layout), batch_size)
     k = g.shape[0] // batch_size
-    others = torch.cat([g[: example * k].reshape(-1), g[(example + 1) * k :].reshape(-1)])
-    return ((others != 0) & torch.isfinite(others)).any()
+    # the rows before and after the example's, read where they lie and a few rows at a time (no copy of the gradient,
+    # small masks: on the first batch this runs while the whole graph is kept, and the lm_head's [B, T, V] gradient
+    # is the largest tensor there)
+    step = max(1, (FLAG_CHUNK * g.shape[0]) // max(g.numel(), 1))
+    flags = [
+        torch.isfinite(part).logical_and_(part != 0).any()
+        for lo, hi in ((0, example * k), ((example + 1) * k, g.shape[0]))
+        for part in (g[i : min(i + step, hi)] for i in range(lo, hi, step))
+    ]
+    return torch.stack(flags).any() if len(flags) > 1 else flags[0]

@@ -105,14 +105,14 @@ class BackwardBookkeeping:
         """The clipping groups' book-keeping for the backward pass: the uses each group waits for, its squared norms
         and coefficients (zeros), and whether it is clipped inside the backward pass (in the hook of its last use)."""
         num_groups = len(self._groups)
-        counts: dict[nn.Parameter, int] = defaultdict(int)
+        counts: dict[int, int] = defaultdict(int)  # id(parameter) -> its uses (ids: no Python hash per lookup)
         pending = [0] * num_groups
         group_of = self._group_of
         for use in p.uses:
             # one group (all-layer): every use is in group 0, not looked up per parameter
             use.groups = (0,) if num_groups == 1 else tuple(sorted({group_of[q] for q in use.params}))
             for q in use.params:
-                counts[q] += 1
+                counts[id(q)] += 1
             for g in use.groups:
                 pending[g] += 1
         p.use_counts = counts
@@ -205,7 +205,7 @@ class BackwardBookkeeping:
         group_of, use_counts, hooked = self._group_of, p.use_counts, p.hooked
         single = not p.keep_all
         for q, g in grads.items():
-            if single and use_counts.get(q, 0) == 1 and not (hooked and q in hooked):
+            if single and use_counts.get(id(q), 0) == 1 and not (hooked and q in hooked):
                 # added to the group's norm once, when it is clipped (one stack-sum instead of an add per parameter;
                 # the instantiated ones side by side, one square-sum for all of them)
                 if isinstance(g, InstantiatedGrad):
@@ -394,7 +394,7 @@ class BackwardBookkeeping:
                     "from the model's outputs only, and checkpoint with `torch.utils.checkpoint`."
                 )
         for q in list(pieces):
-            if p.use_counts.get(q, 0) == 1 and q not in p.hooked:  # a hooked one's clipped sum is the engine's
+            if p.use_counts.get(id(q), 0) == 1 and q not in p.hooked:  # a hooked one's clipped sum is the engine's
                 pieces.pop(q)
 
     # ------------------------------------------------------------------ self-check support

@@ -3,6 +3,7 @@ book-keeps, attributed per layer and per kind. A benchmark, not a test.
 
     OMP_NUM_THREADS=1 python benchmarks/dp_memory.py      # the perf shape: GPT-2 4 x 256, vocab 8000, B 16, T 128
     OMP_NUM_THREADS=1 python benchmarks/dp_memory.py --glibc-default      # RSS with glibc's own settings
+    python benchmarks/dp_memory.py --device cuda      # CUDA's allocated bytes (torch.cuda.max_memory_allocated)
 
 One process per variant (``non-private``, ``bk-mixopt``), side by side in one run. Memory is measured on CPU as
 resident memory with glibc told to serve every block of 64 KiB or more by its own mapping and to unmap it on free
@@ -59,17 +60,35 @@ def _peak_mb() -> float:
 
 
 class Phases:
-    """Peak RSS of each phase above the RSS at the start of the step."""
+    """Peak memory of each phase above the memory at the start of the step: RSS on CPU, the allocator's allocated
+    bytes on CUDA (``torch.cuda.max_memory_allocated``, reset per phase)."""
 
-    def __init__(self) -> None:
-        self.base = _rss_mb()
+    def __init__(self, cuda: bool = False) -> None:
+        import torch
+
+        self.cuda = torch.cuda if cuda else None
+        self.base = self._now()
         self.peaks: dict[str, float] = {}
-        _reset_peak()
+        self._reset()
+
+    def _now(self) -> float:
+        if self.cuda is None:
+            return _rss_mb()
+        self.cuda.synchronize()
+        return self.cuda.memory_allocated() / 2**20
+
+    def _reset(self) -> None:
+        if self.cuda is None:
+            _reset_peak()
+        else:
+            self.cuda.reset_peak_memory_stats()
 
     def end(self, name: str) -> None:
-        self.peaks[name] = _peak_mb() - self.base
-        self.peaks[name + " (end)"] = _rss_mb() - self.base
-        _reset_peak()
+        now = self._now()
+        peak = _peak_mb() if self.cuda is None else self.cuda.max_memory_allocated() / 2**20
+        self.peaks[name] = peak - self.base
+        self.peaks[name + " (end)"] = now - self.base
+        self._reset()
 
 
 def book_kept(clipper, activations: set[int]) -> dict[str, float]:
@@ -119,6 +138,7 @@ def run_variant(args) -> dict:
     from hf_dp.losses import causal_lm_loss
 
     torch.manual_seed(0)
+    start = _rss_mb() if args.device == "cpu" else 0.0
     cfg = GPT2Config(
         vocab_size=args.vocab,
         n_positions=max(args.seq, 128),
@@ -129,10 +149,11 @@ def run_variant(args) -> dict:
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
-    model = GPT2LMHeadModel(cfg)
+    device = torch.device(args.device)
+    model = GPT2LMHeadModel(cfg).to(device)
     model.train()
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq))
-    position_ids = torch.arange(args.seq).expand(args.batch, -1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq)).to(device)
+    position_ids = torch.arange(args.seq, device=device).expand(args.batch, -1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     clipper = None
     if args.variant != "non-private":
@@ -140,11 +161,12 @@ def run_variant(args) -> dict:
     result: dict = {"variant": args.variant}
     times = []
     for step in range(args.steps):
-        start = time.perf_counter()
-        phases = Phases()
+        began = time.perf_counter()
+        phases = Phases(cuda=device.type == "cuda")
         out = model(input_ids=ids, position_ids=position_ids)
         loss = causal_lm_loss(out.logits, ids, reduction="sum")
-        del out
+        if not args.hold_logits:
+            del out
         phases.end("forward")
         if clipper is None:
             loss.sum().backward()
@@ -166,14 +188,16 @@ def run_variant(args) -> dict:
             clipper.finish()
             phases.end("finish")
         del loss
+        out = None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         phases.end("optimizer")
-        times.append(time.perf_counter() - start)
+        times.append(time.perf_counter() - began)
         if step == 0:
             result["first_phases"] = phases.peaks
         if step == args.steps - 1:
             result["phases"] = phases.peaks
+            result["held"] = phases.base - start  # at the step's start: model, optimizer state, what the engine kept
             result["book_kept"] = kept if clipper is not None else {}
     result["step_s"] = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
     return result
@@ -184,6 +208,12 @@ def main(argv=None) -> None:
     for key, value in SHAPE.items():
         p.add_argument(f"--{key}", type=int, default=value)
     p.add_argument("--steps", type=int, default=4, help="steps per variant (the last one is measured)")
+    p.add_argument(
+        "--hold-logits",
+        action="store_true",
+        help="keep the model's output (the logits) alive through the backward pass, as step_time.py's loop does",
+    )
+    p.add_argument("--device", default="cpu", help="cuda: the allocator's peaks (max_memory_allocated) per phase")
     p.add_argument(
         "--glibc-default",
         action="store_true",
@@ -196,7 +226,8 @@ def main(argv=None) -> None:
         return
     variants = ["non-private", "bk-mixopt"]
     print(
-        f"# GPT-2 {args.layers} x {args.hidden}, vocab {args.vocab}, B {args.batch}, T {args.seq}, fp32, CPU; "
+        f"# GPT-2 {args.layers} x {args.hidden}, vocab {args.vocab}, B {args.batch}, T {args.seq}, fp32, "
+        f"{args.device}; "
         f"glibc: {'defaults' if args.glibc_default else ENV}; load {os.getloadavg()[0]:.2f}"
     )
     results = []
@@ -213,15 +244,19 @@ def main(argv=None) -> None:
             continue
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     base = results[0]
-    base_peak = max(base["phases"][k] for k in ("forward", "backward", "finish", "optimizer"))
-    print("\n| variant | forward | backward | finish | optimizer | step peak | x non-private | step s |")
-    print("|---|---|---|---|---|---|---|---|")
+    base_peak = max(base["phases"][k] for k in ("forward", "prepare", "backward", "finish", "optimizer"))
+    print(
+        "\n| variant | held between steps | forward | backward | finish | optimizer | step peak | x non-private "
+        "(held + peak) | step s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ph = r["phases"]
-        peak = max(ph[k] for k in ("forward", "backward", "finish", "optimizer"))
+        peak = max(ph[k] for k in ("forward", "prepare", "backward", "finish", "optimizer"))
         print(
-            f"| {r['variant']} | {ph['forward']:.0f} | {ph['backward']:.0f} | {ph['finish']:.0f} | "
-            f"{ph['optimizer']:.0f} | {peak:.0f} | {peak / base_peak:.3f} | {r['step_s']:.3f} |"
+            f"| {r['variant']} | {r['held']:.0f} | {ph['forward']:.0f} | {ph['backward']:.0f} | {ph['finish']:.0f} | "
+            f"{ph['optimizer']:.0f} | {peak:.0f} | {(r['held'] + peak) / (base['held'] + base_peak):.3f} | "
+            f"{r['step_s']:.3f} |"
         )
     print("\nthe first step (the plan's proof, once per plan):")
     for r in results:
@@ -241,7 +276,7 @@ def main(argv=None) -> None:
             print(f"    {key}: {mb:.1f}")
         ph = r["phases"]
         print(
-            f"  RSS above the step's start at the end of the backward pass: {ph['backward (end)']:.0f} MB "
+            f"  memory above the step's start at the end of the backward pass: {ph['backward (end)']:.0f} MB "
             f"(non-private: {base['phases']['backward (end)']:.0f}); finish's transient above that: "
             f"{ph['finish'] - ph['backward (end)']:.0f} MB"
         )

@@ -17,6 +17,7 @@ from ..layers import UnsupportedModuleError
 from ..layers.base import named_refusal
 from ..layers.grads import (
     FactoredGrad,
+    IndexFactor,
     InstantiatedGrad,
     PerExampleGrad,
     Units,
@@ -104,12 +105,14 @@ class BackwardBookkeeping:
         """The clipping groups' book-keeping for the backward pass: the uses each group waits for, its squared norms
         and coefficients (zeros), and whether it is clipped inside the backward pass (in the hook of its last use)."""
         num_groups = len(self._groups)
-        counts: dict[nn.Parameter, int] = defaultdict(int)
+        counts: dict[int, int] = defaultdict(int)  # id(parameter) -> its uses (ids: no Python hash per lookup)
         pending = [0] * num_groups
+        group_of = self._group_of
         for use in p.uses:
-            use.groups = tuple(sorted({self._group_of[q] for q in use.params}))
+            # one group (all-layer): every use is in group 0, not looked up per parameter
+            use.groups = (0,) if num_groups == 1 else tuple(sorted({group_of[q] for q in use.params}))
             for q in use.params:
-                counts[q] += 1
+                counts[id(q)] += 1
             for g in use.groups:
                 pending[g] += 1
         p.use_counts = counts
@@ -199,9 +202,10 @@ class BackwardBookkeeping:
     def _process(self, p, use: Use, grad) -> None:
         grads = self._per_example_grads(use, grad)
         use.captured = None  # the factors keep what the clipped sum needs; drop the rest
-        group_of = self._group_of
+        group_of, use_counts, hooked = self._group_of, p.use_counts, p.hooked
+        single = not p.keep_all
         for q, g in grads.items():
-            if p.use_counts.get(q, 0) == 1 and not p.keep_all and q not in p.hooked:
+            if single and use_counts.get(id(q), 0) == 1 and not (hooked and q in hooked):
                 # added to the group's norm once, when it is clipped (one stack-sum instead of an add per parameter;
                 # the instantiated ones side by side, one square-sum for all of them)
                 if isinstance(g, InstantiatedGrad):
@@ -254,11 +258,16 @@ class BackwardBookkeeping:
         units = self._pass.units
         if units is not None:  # one gradient per privacy unit, the sum of its examples' (before the cost choice)
             grads = {q: group_units(g, units) for q, g in grads.items()}
-        grads = {q: merge_repeated_ids(g) for q, g in grads.items()}  # embedding rows of one id added first
-        if self.mode in ("bk-mixopt", "per-sample"):
-            for q, g in grads.items():
-                if isinstance(g, FactoredGrad) and (self.mode == "per-sample" or g.prefers_instantiation()):
-                    grads[q] = instantiate(g, g.left.dtype if isinstance(g.left, Tensor) else g.right.dtype)
+        mode = self.mode
+        choose = mode in ("bk-mixopt", "per-sample")
+        for q, g in grads.items():  # (in place: the same keys)
+            if not isinstance(g, FactoredGrad):
+                continue
+            if isinstance(g.left, IndexFactor) or isinstance(g.right, IndexFactor):
+                g = merge_repeated_ids(g)  # embedding rows of one id added first
+            if choose and (mode == "per-sample" or g.prefers_instantiation()):
+                g = instantiate(g, g.left.dtype if isinstance(g.left, Tensor) else g.right.dtype)
+            grads[q] = g
         return grads
 
     def _check_support(self, use: Use, grad) -> None:
@@ -385,7 +394,7 @@ class BackwardBookkeeping:
                     "from the model's outputs only, and checkpoint with `torch.utils.checkpoint`."
                 )
         for q in list(pieces):
-            if p.use_counts.get(q, 0) == 1 and q not in p.hooked:  # a hooked one's clipped sum is the engine's
+            if p.use_counts.get(id(q), 0) == 1 and q not in p.hooked:  # a hooked one's clipped sum is the engine's
                 pieces.pop(q)
 
     # ------------------------------------------------------------------ self-check support

@@ -37,6 +37,11 @@ __all__ = ["GroupClipping"]
 #: Instantiated gradients of at most this many entries per example are normed and summed side by side (one op for
 #: all of a group's biases and norm weights; larger ones on their own, so that nothing large is copied).
 SIDE_BY_SIDE = 1 << 16
+#: A per-example gradient with a dense factor of more bytes than this is masked and summed over chunks of examples,
+#: so that the masked copy stays this small (the lm_head's ``[B, T, V]`` output gradient would be copied whole), in
+#: at most ``MAX_CHUNKS`` chunks (a copy of an eighth of a larger factor; a few more launches, not one per example).
+CHUNK_BYTES = 16 << 20
+MAX_CHUNKS = 8
 
 
 class GroupClipping:
@@ -70,10 +75,10 @@ class GroupClipping:
             parts = p.pieces.pop(q, None)
             if not parts:
                 continue
-            if q in p.hooked:  # h(g_i) of every example, before its norm is taken (grad_hooks)
+            if p.hooked and q in p.hooked:  # h(g_i) of every example, before its norm is taken (grad_hooks)
                 parts = [self._hooked_grad(p, q, parts)]
                 p.norm_sq[g].add_(norm_sq(parts[0], self._norm_dtype))
-            elif p.use_counts.get(q, 0) > 1 or p.keep_all:
+            elif p.use_counts.get(id(q), 0) > 1 or p.keep_all:
                 extra, parts = self._merged_norm_sq(parts)
                 p.norm_sq[g].add_(extra)  # in place on the row (`+=` on an index also copies it back)
             pieces[q] = parts
@@ -83,6 +88,7 @@ class GroupClipping:
         """Clip group ``g`` at ``C_g`` and deliver its clipped sum, parameter by parameter, freeing as it goes."""
         with torch.no_grad():
             pieces = self._group_pieces(p, g)
+            registered = self._registered
             norms = p.norm_sq[g].sqrt() / (p.loss_scale or 1.0)
             coef = self.policy.coefficients(norms, len(self._groups))
             # examples whose norm is not finite are masked on the device (no host sync to ask whether any is)
@@ -95,11 +101,11 @@ class GroupClipping:
                 parts = pieces.pop(q, None)
                 total = sums.pop(q, None)
                 # the dtype of the parameter the optimizer steps on (FSDP2 may compute in a lower one)
-                dtype = self._registered.get(q, q).dtype
+                dtype = (registered.get(q, q) if registered else q).dtype
                 if parts and total is None:
-                    total = weighted_sum(_masked(parts[0], keep, zeros), coef, dtype, views=views)
+                    total = _clipped_sum(parts[0], coef, keep, dtype, zeros, views)
                     for part in parts[1:]:
-                        total += weighted_sum(_masked(part, keep, zeros), coef, dtype, views=views)
+                        total += _clipped_sum(part, coef, keep, dtype, zeros, views)
                     del parts
                 self._deliver(p, q, total)
         p.done[g] = True
@@ -108,11 +114,12 @@ class GroupClipping:
         """The clipped sums of the group's small instantiated gradients (biases, norm weights), side by side per
         dtype: one mask and one matrix-vector product for all of them (taken out of ``pieces``)."""
         by_dtype: dict[torch.dtype, list] = {}
+        registered = self._registered
         for q, parts in pieces.items():
             if len(parts) == 1 and isinstance(parts[0], InstantiatedGrad):
                 v = parts[0].value
                 if v.dim() >= 2 and math.prod(v.shape[1:]) <= SIDE_BY_SIDE:
-                    by_dtype.setdefault(self._registered.get(q, q).dtype, []).append((q, v))
+                    by_dtype.setdefault((registered.get(q, q) if registered else q).dtype, []).append((q, v))
         sums = {}
         for dtype, entries in by_dtype.items():
             if len(entries) < 2:
@@ -217,6 +224,42 @@ class GroupClipping:
             q.grad = p.grads_before[q]
             self._deliver(p, q, total)
         return coef.detach()
+
+
+def _clipped_sum(
+    grad: PerExampleGrad, coef: Tensor, keep: Tensor, dtype: torch.dtype, zeros: dict, views: dict
+) -> Tensor:
+    """``sum_{i in keep} coef_i G_i``: in one go, or over chunks of examples for a gradient with a dense factor over
+    :data:`CHUNK_BYTES` (the masked and scaled copies are then one chunk's; the result is the same sum)."""
+    dense = [f for f in _factors(grad) if isinstance(f, Tensor)]
+    units = coef.shape[0]
+    largest = max((f.numel() * f.element_size() for f in dense), default=0)
+    if largest <= CHUNK_BYTES or units < 2 or any(f.dim() == 0 or f.shape[0] != units for f in dense):
+        return weighted_sum(_masked(grad, keep, zeros), coef, dtype, views=views)
+    rows = max(1, units * CHUNK_BYTES // largest, -(-units // MAX_CHUNKS))
+    total = None
+    for start in range(0, units, rows):
+        end = min(start + rows, units)
+        part = weighted_sum(_masked(_examples(grad, start, end), keep[start:end], {}), coef[start:end], dtype)
+        total = part if total is None else total.add_(part)
+    return total
+
+
+def _factors(grad: PerExampleGrad) -> tuple:
+    return (grad.value,) if isinstance(grad, InstantiatedGrad) else (grad.left, grad.right)
+
+
+def _examples(grad: PerExampleGrad, start: int, end: int) -> PerExampleGrad:
+    """The per-example gradients of examples ``start .. end - 1`` (views, no copy)."""
+
+    def rows(f):
+        if isinstance(f, IndexFactor):
+            return IndexFactor(f.index[start:end], f.size, f.distinct)
+        return f[start:end]
+
+    if isinstance(grad, InstantiatedGrad):
+        return InstantiatedGrad(grad.value[start:end])
+    return FactoredGrad(rows(grad.left), rows(grad.right), grad.shape)
 
 
 def _masked(grad: PerExampleGrad, keep: Tensor, zeros: dict) -> PerExampleGrad:

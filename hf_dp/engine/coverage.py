@@ -9,6 +9,7 @@ use of every parameter is covered exactly once (:mod:`.planner`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -41,8 +42,9 @@ class HookedModule:
     match: RuleMatch | None = None
     promoted: frozenset = field(default_factory=frozenset)
 
-    @property
+    @functools.cached_property
     def is_fallback(self) -> bool:
+        """Whether the rule is the torch.func fallback (read per call: decided once, the rule never changes)."""
         return self.rule.layout == "any"
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import operator
 from collections import defaultdict
 
 import torch
@@ -85,8 +86,10 @@ class ForwardHooks:
                 twin.requires_grad_(flag)
 
     def _replan_if_changed(self) -> bool:
-        current = [self._used_of.get(id(p), p) for p in trainable_parameters(self.model)]
-        if [id(p) for p in current] == [id(p) for p in self._trainable]:
+        current = trainable_parameters(self.model)
+        if self._used_of:
+            current = [self._used_of.get(id(p), p) for p in current]
+        if len(current) == len(self._trainable) and all(map(operator.is_, current, self._trainable)):
             return False
         # requires_grad changed: check coverage again, and prove a new plan on the next batch
         self._static = plan_coverage(self.model, allow_fallback=self.allow_fallback)

@@ -194,7 +194,10 @@ class GradHooks:
 
     def _current_grad_hooks(self) -> dict[nn.Parameter, tuple[Callable, ...]]:
         """The hooked trainable parameters and their hooks, read when a backward pass starts (``prepare()``)."""
-        hooked = {q: hooks for q in self._trainable if (hooks := self._hooks_of(q))}
+        if self._registered:
+            hooked = {q: hooks for q in self._trainable if (hooks := self._hooks_of(q))}
+        else:  # (the same, without a call per parameter)
+            hooked = {q: tuple(q._backward_hooks.values()) for q in self._trainable if q._backward_hooks}
         if hooked:  # a logger's hook registered after the plan (wandb.watch at on_train_begin) is refused too
             _refuse_gradient_loggers(self.model, hooked)
         return hooked

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import Tensor, nn
 
 from ..layers import Captured, LayerRule, Layout
 from ..layers.grads import PerExampleGrad, fold
 
 __all__ = ["closed_form_grads", "foreign_rows", "grad_layout", "to_rows"]
+
+#: Entries of an output gradient checked at a time by :func:`foreign_rows` (its two boolean masks are this long).
+FLAG_CHUNK = 1 << 22
 
 
 def to_rows(t: Tensor, layout: Layout, batch_size: int) -> Tensor:
@@ -56,6 +60,15 @@ def foreign_rows(grad: Tensor, layout: Layout, batch_size: int, example: int) ->
     """
     g = to_rows(grad, grad_layout(layout), batch_size)
     k = g.shape[0] // batch_size
-    # the rows before and after the example's, each read twice (no copy of the whole gradient, no isfinite pass)
-    counts = [t.nan_to_num(0.0, 0.0, 0.0).count_nonzero() for t in (g[: example * k], g[(example + 1) * k :])]
-    return (counts[0] + counts[1]) > 0
+    # the rows before and after the example's, read where they lie and a few rows at a time (no copy of the gradient,
+    # no isfinite pass, small temporaries: on the first batch this runs while the whole graph is kept, and the
+    # lm_head's [B, T, V] gradient is the largest tensor there); a non-finite entry does not count as a use
+    step = max(1, (FLAG_CHUNK * g.shape[0]) // max(g.numel(), 1))
+    counts = [
+        part.nan_to_num(0.0, 0.0, 0.0).count_nonzero()
+        for lo, hi in ((0, example * k), ((example + 1) * k, g.shape[0]))
+        for part in (g[i : min(i + step, hi)] for i in range(lo, hi, step))
+    ]
+    if not counts:  # a batch of one: no other rows
+        return torch.zeros((), dtype=torch.bool, device=g.device)
+    return torch.stack(counts).sum() > 0

@@ -70,7 +70,7 @@ class Pass:
     norm_sq: Tensor | None = None  # [G, B] squared per-example norms of each clipping group (in backward units)
     norm_parts: dict = field(default_factory=dict)  # group -> [B] terms of its norm not yet added to norm_sq
     norm_dense: dict = field(default_factory=dict)  # group -> instantiated gradients whose norms are not yet added
-    use_counts: dict[nn.Parameter, int] = field(default_factory=dict)
+    use_counts: dict[int, int] = field(default_factory=dict)  # id(parameter) -> its uses in the pass
     pieces: dict[nn.Parameter, list[PerExampleGrad]] = field(default_factory=dict)  # book-kept, not yet clipped
     pending: list[int] = field(default_factory=list)  # per group: uses whose output gradient has not arrived
     done: list[bool] = field(default_factory=list)  # per group: clipped sum delivered

@@ -254,11 +254,12 @@ def weighted_sum(
         if v.dim() == 2:
             return torch.mv(v.t(), coef.to(dtype))
         return torch.mv(v.reshape(v.shape[0], -1).t(), coef.to(dtype)).view(v.shape[1:])
-    left, right = _mask(grad.left, keep), grad.right
-    if isinstance(left, IndexFactor) or not isinstance(right, IndexFactor):
-        right = _scale(right, coef, keep, views)
+    left, right = grad.left, grad.right
+    # the coefficients scale the smaller dense factor (a copy either way: the smaller one is the cheaper)
+    if isinstance(right, IndexFactor) or (isinstance(left, Tensor) and left.numel() < right.numel()):
+        left, right = _scale(left, coef, keep, views), _mask(right, keep)
     else:
-        left = _scale(left, coef, keep, views)
+        left, right = _mask(left, keep), _scale(right, coef, keep, views)
     if isinstance(left, IndexFactor):
         flat_right = right.to(dtype).reshape(-1, right.shape[-1])
         idx = left.index.reshape(-1)

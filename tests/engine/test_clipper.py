@@ -149,3 +149,27 @@ def test_loss_scaled_backward_clips_at_k_times_c(float64, mode):
     assert (clip_plain.per_example_norms > 0.3).any()
     for p, q in zip(plain.parameters(), scaled.parameters(), strict=True):
         torch.testing.assert_close(q.grad, k * p.grad, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["bk", "bk-mixopt"])
+def test_clipped_sum_over_chunks_of_examples(float64, monkeypatch, mode):
+    """A factor over the chunk size (the lm_head's [B, T, V] output gradient at scale) is masked and summed over
+    chunks of examples: the same clipped sums as the float64 oracle, and a non-finite example still gets weight 0."""
+    from helpers.oracle import check_clipper
+
+    from hf_dp.engine import clipping
+
+    calls = []
+    examples = clipping._examples
+    monkeypatch.setattr(clipping, "CHUNK_BYTES", 256)  # every dense factor of the tiny model is over it
+    monkeypatch.setattr(clipping, "_examples", lambda g, a, b: calls.append((a, b)) or examples(g, a, b))
+    torch.manual_seed(0)
+    check_clipper(gpt2(), causal_batches(), causal_loss, mode=mode)
+    assert calls and any(b - a < 3 for a, b in calls)  # chunks of fewer examples than the batch were summed
+    model = nn.Linear(64, 2).double()
+    clipper = BookKeepingClipper(model, max_grad_norm=1.0)
+    x = torch.randn(5, 3, 64)
+    x[1, 0, 0] = float("inf")
+    coef = clipper.backward((model(x) ** 2).sum((1, 2)))
+    assert coef[1] == 0 and (coef[[0, 2, 3, 4]] > 0).all()
+    assert torch.isfinite(model.weight.grad).all() and torch.isfinite(model.bias.grad).all()

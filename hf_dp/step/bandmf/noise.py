@@ -25,8 +25,10 @@ Resume. A first call at step ``s > 0`` continues a run:
   starts again from zero rows at ``s`` (no replay, which would cost ``s`` full draws and give nothing: fresh rows
   are independent of the released past either way). The noise of the whole run is then ``C'^{-1} Z`` for the
   block-diagonal ``C' = diag(C_{0:s}, C_{s:n})``: still lower-triangular, ``b``-banded, each column norm at most 1,
-  which is all the amplified analysis uses (each participation's column in rows ``t .. t+b-1``), so the accounting
-  of the run is unchanged. The error of the workload is slightly larger after the restart.
+  which is what the amplified analysis uses of ``C`` (each participation's column in rows ``t .. t+b-1``). The
+  accounting of the run's ``T`` steps as ``ceil(T / b)`` rounds also needs every unit to keep its sampling part
+  across the restart; ``DPTrainer`` draws the parts afresh at each start and so refuses an OS-seeded resume
+  (``trainers/banded.py``). The error of the workload is slightly larger after the restart.
 """
 
 from __future__ import annotations

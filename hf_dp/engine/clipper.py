@@ -264,16 +264,18 @@ class BookKeepingClipper(
         inputs: dict,
         per_example_loss: Callable[[nn.Module, dict], Tensor],
         *,
-        num_examples: int = 3,
+        num_examples: int = 2,
     ) -> float:
         """Compare the engine's per-example gradient norms with plain per-example autograd on a real micro-batch.
 
-        In eval mode (training flags restored afterwards) and without changing the random number streams, the engine
-        computes per-parameter per-example norms of ``per_example_loss(model, inputs)`` cut to its first
-        ``num_examples`` examples in a norms-only pass (no ``p.grad``, no clipper state touched); then each of them
-        runs alone (every batch tensor of ``inputs`` sliced to ``[i:i+1]``) through an ordinary backward pass with
-        the clipper's hooks standing aside. The checks of a whole micro-batch (each loss depends on its own example
-        alone; every use of a parameter covered) are not taken from the cut: they run on the next micro-batch.
+        Without changing the random number streams, the engine computes per-parameter per-example norms of
+        ``per_example_loss(model, inputs)`` cut to its first ``num_examples`` examples in a norms-only pass (no
+        ``p.grad``, no clipper state touched), and plain autograd gives each example's own: in training mode when (part
+        of) the model is in it (each loss of the batched forward differentiated alone, the random draws replayed),
+        else, or if they cannot be replayed, in eval mode (training flags restored afterwards) with each example run
+        alone (every batch tensor of ``inputs`` sliced to ``[i:i+1]``), the clipper's hooks standing aside. The checks
+        of a whole micro-batch (each loss depends on its own example alone; every use of a parameter covered) are not
+        taken from the cut: they run on the next micro-batch.
         Every parameter is compared on its own: an error fails beyond float64 1e-6, float32 1e-3, bfloat16/float16
         5e-2 of the example's total norm, or beyond 1e-6, 1e-2, 2e-1 of the parameter's own norm (above a round-off
         floor; :mod:`hf_dp.engine.self_check`), so a small parameter that is wrong fails too.
@@ -282,7 +284,7 @@ class BookKeepingClipper(
             inputs (`dict`): a micro-batch, as ``per_example_loss`` takes it.
             per_example_loss (`Callable[[nn.Module, dict], torch.Tensor]`): ``(model, inputs) -> [B]``, e.g. calling
                 ``model(**inputs)``.
-            num_examples (`int`, *optional*, defaults to 3): how many examples to compare.
+            num_examples (`int`, *optional*, defaults to 2): how many examples to compare.
 
         Returns:
             `float`: the largest relative error found.

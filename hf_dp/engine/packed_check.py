@@ -70,7 +70,7 @@ def _checked_sequences(segments: Segments, count: int) -> list[int]:
 
 
 def packed_self_check(
-    clipper, inputs: dict, per_example_loss: Callable[[nn.Module, dict], Tensor], *, num_examples: int = 3
+    clipper, inputs: dict, per_example_loss: Callable[[nn.Module, dict], Tensor], *, num_examples: int = 2
 ) -> float:
     """Compare ``clipper``'s per-sequence norms of a packed micro-batch with autograd on each sequence alone; see
     ``BookKeepingClipper.self_check``. Returns the largest relative error; raises :class:`SelfCheckError`."""

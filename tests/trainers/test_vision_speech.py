@@ -328,10 +328,10 @@ class TestSpeech:
         trainer.train()
         assert trainer.loss_type == ("ctc" if head == "ctc" else "sequence_classification")
         # the training forward passes drew one mask per micro-batch (the last two); before them, the self-check's
-        # training-mode passes (reference, engine) on its 3 checked examples drew one mask, from the same restored
+        # training-mode passes (engine, reference) on its 2 checked examples drew one mask, from the same restored
         # state (the same mask for both: the check compares like with like)
         assert len(recorder.masks) == 4
-        assert recorder.masks[0].shape[0] == 3 and np.array_equal(recorder.masks[0], recorder.masks[1])
+        assert recorder.masks[0].shape[0] == 2 and np.array_equal(recorder.masks[0], recorder.masks[1])
         assert all(m.shape[0] == 4 for m in recorder.masks[2:])
         masks = {}
         for rows, mask in zip(order[-2:], recorder.masks[-2:], strict=True):

@@ -34,6 +34,8 @@ import subprocess
 import sys
 import time
 
+from step_time import perf_config, rss_mb  # the perf shape, as step_time.py builds it
+
 SHAPE = {"layers": 4, "hidden": 256, "heads": 4, "vocab": 8000, "seq": 128, "batch": 16}
 ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_TOP_PAD_": "0"}
 
@@ -44,10 +46,6 @@ def _status_kb(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(field)
-
-
-def _rss_mb() -> float:
-    return _status_kb("VmRSS") / 1024
 
 
 def _reset_peak() -> None:
@@ -73,7 +71,7 @@ class Phases:
 
     def _now(self) -> float:
         if self.cuda is None:
-            return _rss_mb()
+            return rss_mb()
         self.cuda.synchronize()
         return self.cuda.memory_allocated() / 2**20
 
@@ -132,23 +130,14 @@ def book_kept(clipper, activations: set[int]) -> dict[str, float]:
 
 def run_variant(args) -> dict:
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     from hf_dp import BookKeepingClipper
     from hf_dp.losses import causal_lm_loss
 
     torch.manual_seed(0)
-    start = _rss_mb() if args.device == "cpu" else 0.0
-    cfg = GPT2Config(
-        vocab_size=args.vocab,
-        n_positions=max(args.seq, 128),
-        n_embd=args.hidden,
-        n_layer=args.layers,
-        n_head=args.heads,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
+    start = rss_mb() if args.device == "cpu" else 0.0
+    cfg = perf_config(args)
     device = torch.device(args.device)
     model = GPT2LMHeadModel(cfg).to(device)
     model.train()

@@ -100,9 +100,26 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def perf_config(args):
+    """The perf shape's GPT-2 configuration (``--vocab``, ``--seq``, ``--hidden``, ``--layers``, ``--heads``; no
+    dropout, so that every variant computes the same step)."""
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=args.vocab,
+        n_positions=max(args.seq, 128),
+        n_embd=args.hidden,
+        n_layer=args.layers,
+        n_head=args.heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+
+
 def run_variant(args) -> dict:
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -113,16 +130,7 @@ def run_variant(args) -> dict:
     cuda = device.type == "cuda"
     base_rss = rss_mb()
     torch.manual_seed(0)
-    cfg = GPT2Config(
-        vocab_size=args.vocab,
-        n_positions=max(args.seq, 128),
-        n_embd=args.hidden,
-        n_layer=args.layers,
-        n_head=args.heads,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
+    cfg = perf_config(args)
     model = GPT2LMHeadModel(cfg).to(device, getattr(torch, args.dtype))
     model.train()
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)

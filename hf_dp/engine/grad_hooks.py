@@ -194,10 +194,8 @@ class GradHooks:
 
     def _current_grad_hooks(self) -> dict[nn.Parameter, tuple[Callable, ...]]:
         """The hooked trainable parameters and their hooks, read when a backward pass starts (``prepare()``)."""
-        if self._registered:
-            hooked = {q: hooks for q in self._trainable if (hooks := self._hooks_of(q))}
-        else:  # (the same, without a call per parameter)
-            hooked = {q: tuple(q._backward_hooks.values()) for q in self._trainable if q._backward_hooks}
+        hooks_of = self._hooks_of if self._registered else tensor_hooks  # no twins without FSDP2
+        hooked = {q: hooks for q in self._trainable if (hooks := hooks_of(q))}
         if hooked:  # a logger's hook registered after the plan (wandb.watch at on_train_begin) is refused too
             _refuse_gradient_loggers(self.model, hooked)
         return hooked

@@ -12,9 +12,9 @@ more steps apart, which is what the amplified analysis of banded matrix factoriz
 
 The inclusion uniforms are those of :class:`~hf_dp.sampling.poisson.PoissonBatchSampler` (the key ``(seed, draw)``),
 so with ``b = 1`` (one part, the whole set) the batches are exactly its batches for the same seed. The parts are keyed
-by the same secret (``SeedSequence([seed], spawn_key=(1,))`` of PCG64, or SHAKE-256 of ``"{seed}:parts"`` with
-``secure=True``), a stream no draw uses; they are never shown or written. A unit's part depends on its index and the
-seed only, so a resume with the same seed keeps every unit in its part. The micro-batches, the ranks' shares, the
+by the same secret (SHAKE-256 of ``"{seed}:parts"``, with or without ``secure``: a key no draw uses), and are never
+shown or written. A unit's part depends on its index and the seed only, so a resume with the same seed keeps every
+unit in its part. The micro-batches, the ranks' shares, the
 length grouping and the users' row subsets are those of the Poisson samplers.
 """
 
@@ -31,17 +31,17 @@ from .users import PoissonUserBatchSampler
 __all__ = ["CyclicPoissonBatchSampler", "CyclicPoissonUserBatchSampler", "cyclic_parts"]
 
 
-def cyclic_parts(seed: int, num_units: int, bands: int, secure: bool = False) -> np.ndarray:
+def cyclic_parts(seed: int, num_units: int, bands: int) -> np.ndarray:
     """The part (``0 .. bands-1``) of every unit, each uniform and independent of the others, from the secret seed
-    (all zeros for ``bands == 1``)."""
+    (all zeros for ``bands == 1``): SHAKE-256 of ``"{seed}:parts"``, a key no inclusion draw uses (theirs are
+    ``"{seed}:{draw}"`` or PCG64 seeded by ``[seed, draw]``: a ``SeedSequence([seed], spawn_key=(1,))`` would be draw
+    1's own stream for a 128-bit seed, NumPy padding the seed to 4 words before the spawn key)."""
     if bands < 1:
         raise ValueError(f"`bands` must be >= 1, got {bands}.")
     if bands == 1:
         return np.zeros(num_units, dtype=np.int64)
-    if secure:
-        stream = hashlib.shake_256(f"{seed}:parts".encode()).digest(8 * num_units)
-        return (np.frombuffer(stream, dtype=np.uint64) % np.uint64(bands)).astype(np.int64)  # bias < b / 2**64
-    return np.random.default_rng(np.random.SeedSequence([seed], spawn_key=(1,))).integers(0, bands, num_units)
+    stream = hashlib.shake_256(f"{seed}:parts".encode()).digest(8 * num_units)
+    return (np.frombuffer(stream, dtype=np.uint64) % np.uint64(bands)).astype(np.int64)  # bias < b / 2**64
 
 
 def _check_rate(sample_rate: float, bands: int) -> None:
@@ -67,7 +67,7 @@ class CyclicPoissonBatchSampler(PoissonBatchSampler):
         _check_rate(sample_rate, bands)
         super().__init__(num_samples, sample_rate, num_micro_batches, *args, **kwargs)
         self.bands = int(bands)
-        self.parts = cyclic_parts(self.seed, num_samples, self.bands, self.secure)
+        self.parts = cyclic_parts(self.seed, num_samples, self.bands)
 
     def __repr__(self) -> str:  # never show the seed or the parts
         return super().__repr__()[:-1].replace("PoissonBatchSampler", "CyclicPoissonBatchSampler", 1) + (
@@ -92,7 +92,7 @@ class CyclicPoissonUserBatchSampler(PoissonUserBatchSampler):
         _check_rate(sample_rate, bands)
         super().__init__(user_ids, sample_rate, num_micro_batches, *args, **kwargs)
         self.bands = int(bands)
-        self.parts = cyclic_parts(self.seed, self.num_users, self.bands, self.secure)
+        self.parts = cyclic_parts(self.seed, self.num_users, self.bands)
 
     def __repr__(self) -> str:  # never show the seed or the parts
         return super().__repr__()[:-1].replace("PoissonUserBatchSampler", "CyclicPoissonUserBatchSampler", 1) + (

@@ -11,6 +11,7 @@ from hf_dp.sampling import (
     PoissonUserBatchSampler,
 )
 from hf_dp.sampling.cyclic import cyclic_parts
+from hf_dp.sampling.poisson import _uniforms
 
 
 @pytest.mark.parametrize("secure", [False, True])
@@ -40,9 +41,22 @@ def test_parts_are_independent_uniform_and_secret():
     assert np.array_equal(parts, cyclic_parts(seed=5, num_units=4000, bands=4))
     # a unit's part depends on its index alone: adding units moves no one (add/remove neighbours)
     assert np.array_equal(cyclic_parts(seed=5, num_units=4001, bands=4)[:4000], parts)
-    secure = cyclic_parts(seed=5, num_units=4000, bands=4, secure=True)
-    assert set(secure.tolist()) == {0, 1, 2, 3}
-    assert np.array_equal(secure, cyclic_parts(seed=5, num_units=4000, bands=4, secure=True))
+
+
+@pytest.mark.parametrize("bands", [2, 4, 8])
+def test_parts_are_independent_of_every_draws_inclusion_uniforms(bands):
+    """The parts and the inclusion coins must be independent (the amplified analysis assumes it): with a 128-bit
+    seed (what DPTrainer draws), a part must not be a function of some draw's uniforms, at any alignment of the two
+    streams (a PCG64 stream keyed ``SeedSequence([seed], spawn_key=(1,))`` is draw 1's: ``parts[2k + 1]`` was
+    ``floor(b * u_1[k])`` for every unit)."""
+    seed, n = 0x9E3779B97F4A7C15F39CC0605CEDC834, 4000  # a fixed 128-bit seed
+    parts = cyclic_parts(seed, n, bands)
+    for secure in (False, True):
+        for draw in range(4):
+            cells = np.floor(bands * _uniforms(seed, draw, 2 * n, secure)).astype(np.int64)
+            for aligned, codes in ((parts, cells[:n]), (parts[1::2], cells[: n // 2]), (parts[::2], cells[: n // 2])):
+                agreement = float(np.mean(aligned == codes))
+                assert agreement < 1 / bands + 0.06, (secure, draw, agreement)
 
 
 def test_step_t_samples_only_part_t_mod_b_at_the_part_rate():

@@ -51,8 +51,7 @@ class _DeviceState:
         self.shapes = shapes
         self.dtype = dtype
         self.step = -1
-        self.rows: deque[list[torch.Tensor]] = deque(maxlen=max(bands - 1, 1))
-        self.last: list[torch.Tensor] | None = None
+        self.rows: deque[list[torch.Tensor]] = deque(maxlen=max(bands - 1, 1))  # rows[0]: the last step's
 
 
 class CorrelatedNoiseSource:
@@ -137,8 +136,8 @@ class CorrelatedNoiseSource:
                 f"{state.dtype} before, {len(shapes)} of {draw_dtype} now): the correlated noise continues the same "
                 "tensors at every step. Keep the set of trainable parameters fixed during training."
             )
-        if step == state.step and state.last is not None:
-            return state.last
+        if step == state.step and state.rows:
+            return state.rows[0]
         if step < state.step:
             raise ValueError(
                 f"Correlated noise was asked for step {step} after step {state.step}: steps must increase (the "
@@ -146,7 +145,7 @@ class CorrelatedNoiseSource:
             )
         while state.step < step:
             self._advance(state, device)
-        return state.last
+        return state.rows[0]
 
     @torch.no_grad()
     def _advance(self, state: _DeviceState, device: torch.device) -> None:
@@ -157,4 +156,3 @@ class CorrelatedNoiseSource:
             torch._foreach_add_(row, previous, alpha=-coefficient)
         torch._foreach_div_(row, self._coefficients[0])
         state.rows.appendleft(row)
-        state.last = row

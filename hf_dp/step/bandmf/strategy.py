@@ -126,11 +126,10 @@ def banded_sensitivity(
     if participations < 1 or steps < 1:
         raise ValueError(f"`participations` and `steps` must be >= 1, got {participations} and {steps}.")
     count = min(int(participations), -(-int(steps) // separation))
-    squares = np.cumsum((c**2)[::-1])[::-1]  # squares[i] = sum_{k >= i} c_k^2
     total = 0.0
     for i in range(count):
         rows = min(bands, steps - i * separation)  # column j = i m keeps rows j .. min(j + b, n) - 1
-        total += float(np.sum(c[:rows] ** 2)) if rows < bands else float(squares[0])
+        total += float(np.sum(c[:rows] ** 2))
     return math.sqrt(total)
 
 
@@ -227,9 +226,8 @@ def _optimize(steps: int, bands: int, momentum: float, rates: tuple[float, ...] 
         )
         candidates.append(np.asarray(result.x))
     stable = [free for free in candidates if _stable(np.concatenate([[1.0], free]))]  # C^{-1}'s recursion decays
-    best = min(stable, key=lambda free: objective(free)[0])
+    loss, best = min(((objective(free)[0], free) for free in stable), key=lambda scored: scored[0])
     c = np.concatenate([[1.0], best])
-    loss = objective(best)[0]
     return BandedToeplitzStrategy(
         coefficients=tuple(float(v) for v in c / math.sqrt(float(c @ c))),
         steps=steps,

@@ -32,10 +32,29 @@ def init():
     return gpt2().state_dict()
 
 
+class CountedDPTrainer(DPTrainer):
+    """DPTrainer whose optimizer records each step before applying it (``applied_steps``): the steps that ran,
+    counted apart from hf_dp's own record (the optimizer stays the Trainer's own, so the strategy is unchanged)."""
+
+    applied_steps = 0
+
+    def create_optimizer(self, *args, **kwargs):
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if not getattr(optimizer, "_counted", False):
+            apply = optimizer.step
+
+            def step(*a, **k):
+                self.applied_steps += 1
+                return apply(*a, **k)
+
+            optimizer.step, optimizer._counted = step, True
+        return optimizer
+
+
 def trained(init, folder, callbacks=(), resume=None, **overrides):
     model = gpt2()
     model.load_state_dict(copy.deepcopy(init))
-    trainer = DPTrainer(
+    trainer = CountedDPTrainer(
         model=model,
         args=dp_args(folder, **overrides),
         train_dataset=ToyDataset(40),
@@ -55,6 +74,7 @@ def test_one_band_is_dp_sgd_bit_for_bit(tmp_dir, init):
     dpsgd = trained(init, os.path.join(tmp_dir, "a"), max_steps=4)
     banded = trained(init, os.path.join(tmp_dir, "b"), max_steps=4, noise_bands=1, **BANDED)
     assert_same_weights(banded, dpsgd)
+    assert banded.applied_steps == dpsgd.applied_steps == 4
     assert banded.dp_callback.history == dpsgd.dp_callback.history
     assert banded.epsilon("rdp") == dpsgd.epsilon("rdp") and banded.epsilon("prv") == dpsgd.epsilon("prv")
 
@@ -62,8 +82,10 @@ def test_one_band_is_dp_sgd_bit_for_bit(tmp_dir, init):
 def test_banded_noise_differs_from_dp_sgd_and_depends_on_the_bands(tmp_dir, init):
     dpsgd = trained(init, os.path.join(tmp_dir, "a"), max_steps=3)
     banded = trained(init, os.path.join(tmp_dir, "b"), max_steps=3, noise_bands=2, **BANDED)
+    three = trained(init, os.path.join(tmp_dir, "c"), max_steps=3, noise_bands=3, **BANDED)
     weight = "transformer.h.0.attn.c_attn.weight"
     assert not torch.equal(banded.model.state_dict()[weight], dpsgd.model.state_dict()[weight])
+    assert not torch.equal(three.model.state_dict()[weight], banded.model.state_dict()[weight])
 
 
 @pytest.mark.parametrize("steps", [4, 5, 6])
@@ -72,6 +94,7 @@ def test_epsilon_is_dp_sgd_of_ceil_t_over_b_steps_at_the_part_rate(tmp_dir, init
     trainer = trained(init, tmp_dir, max_steps=steps, noise_bands=bands, **BANDED)
     plan = trainer.dp_plan
     assert plan.sample_rate == pytest.approx(bands * 8 / 40)  # q_part = b L / N
+    assert trainer.applied_steps == steps
     assert trainer.dp_callback.history == [[1.0, plan.sample_rate, steps]]  # every step that ran is recorded
     participations = math.ceil(steps / bands)
     for name in ("rdp", "prv"):
@@ -86,7 +109,7 @@ def test_epsilon_is_dp_sgd_of_ceil_t_over_b_steps_at_the_part_rate(tmp_dir, init
 def test_calibration_reaches_the_target_at_the_last_step(tmp_dir, init):
     trainer = trained(init, tmp_dir, max_steps=6, noise_bands=2, target_epsilon=4.0, noise_multiplier=None, **BANDED)
     plan = trainer.dp_plan
-    assert trainer.dp_callback.steps == 6
+    assert trainer.applied_steps == trainer.dp_callback.steps == 6
     assert trainer.epsilon() <= 4.0 + 1e-9
     # at the calibrated sigma, DP-SGD's epsilon of ceil(6 / 2) = 3 steps at q_part is the target (the calibration
     # of the accountant, to its tolerance); 6 DP-SGD steps at q_part would exceed it
@@ -109,8 +132,9 @@ def test_resume_with_a_fixed_seed_rebuilds_the_noise_state(tmp_dir, init):
     common = dict(max_steps=6, save_strategy="steps", save_steps=2, noise_bands=3, noise_seed=7, **BANDED)
     full = trained(init, os.path.join(tmp_dir, "a"), **common)
     part = os.path.join(tmp_dir, "b")
-    trained(init, part, callbacks=[StopAt(4)], **common)  # stops mid-cycle (step 4 of cycles of 3), checkpoint at 4
+    first = trained(init, part, callbacks=[StopAt(4)], **common)  # stops mid-cycle (cycles of 3), checkpoint at 4
     resumed = trained(init, part, resume=True, **common)
+    assert (full.applied_steps, first.applied_steps, resumed.applied_steps) == (6, 4, 2)
     assert_same_weights(resumed, full)
     assert resumed.dp_callback.history == full.dp_callback.history
     assert resumed.epsilon() == full.epsilon()
@@ -219,14 +243,15 @@ def test_user_level_banded_samples_users_of_one_part_per_step(tmp_dir):
         **BANDED,
         **user_args(tmp_dir, max_examples_per_user=3),
     )
-    trainer = DPTrainer(model=gpt2(), args=args, train_dataset=dataset, data_collator=collate_rows)
+    trainer = CountedDPTrainer(model=gpt2(), args=args, train_dataset=dataset, data_collator=collate_rows)
     assert trainer.sample_rate == pytest.approx(3 * 2 / 40)  # q_part = b L / N over users
     trainer.train()
-    assert trainer.dp_callback.steps == 6
+    assert trainer.applied_steps == trainer.dp_callback.steps == 6
     first_seen = list(dict.fromkeys(dataset.authors))
     codes = {author: code for code, author in enumerate(first_seen)}  # the users' codes, in first-seen order
     parts = cyclic_parts(0, 40, 3)  # the sampling seed of a test run is `seed` (0)
-    used = [batch for batch in collate_rows.authors if batch]
-    assert used  # some step sampled someone
-    steps_parts = [{int(parts[codes[a]]) for a in batch} for batch in used]
-    assert all(len(p) == 1 for p in steps_parts)  # every micro-batch holds users of one part only
+    # one micro-batch per step (and the data loader's look-ahead at the next): call t holds draw t's users
+    assert len(collate_rows.authors) in (6, 7)
+    assert sum(map(bool, collate_rows.authors)) >= 3  # most steps sampled someone
+    for draw, authors in enumerate(collate_rows.authors):  # draw t samples users of part t mod 3 only
+        assert {int(parts[codes[a]]) for a in authors} <= {draw % 3}, draw

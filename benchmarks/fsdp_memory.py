@@ -63,6 +63,8 @@ import tempfile
 import threading
 import time
 
+from step_time import perf_config  # the perf shape's GPT-2, as step_time.py builds it
+
 VARIANTS = ["ddp-dp", "fsdp2-dp", "fsdp2-nonprivate", "ddp-nonprivate"]
 #: shape presets: layers, hidden, heads, vocab, seq, examples (explicit arguments override them)
 SHAPES = {
@@ -212,7 +214,7 @@ def _collate(features):
 def train_variant(variant: str, args: argparse.Namespace, result_dir: str) -> None:
     """One process of one variant: build, train, measure; write this rank's results to ``result_dir``."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     from hf_dp import DPTrainer, DPTrainingArguments
 
@@ -224,18 +226,8 @@ def train_variant(variant: str, args: argparse.Namespace, result_dir: str) -> No
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     rss_before_model = rss_mb()
     torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=args.vocab,
-        n_positions=max(args.seq, 128),
-        n_embd=args.hidden,
-        n_layer=args.layers,
-        n_head=args.heads,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=args.vocab - 1,
-        eos_token_id=args.vocab - 1,
-    )
+    config = perf_config(args)
+    config.bos_token_id = config.eos_token_id = args.vocab - 1
     model = GPT2LMHeadModel(config)
     dataset = _random_dataset(args)
     batch_sizes: list[int] = []  # examples of each micro-batch this process collated

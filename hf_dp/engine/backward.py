@@ -277,13 +277,14 @@ class BackwardBookkeeping:
         for g, lay in zip(grads, layouts, strict=False):
             if g is None or lay is None:
                 continue
-            # a device flag, read with all the others after the check's backward passes (one host read, not one
+            # a device count, read with all the others after the check's backward passes (one host read, not one
             # per hooked output)
             if p.segments is None:
-                flag = foreign_rows(g, lay, p.size, p.support_example)
+                count = foreign_rows(g, lay, p.size, p.support_example)
             else:
-                flag = p.segments.foreign(g, lay, p.size, p.support_example, use.entry)
-            p.support_flags.append((use.entry.name, flag))
+                count = p.segments.foreign(g, lay, p.size, p.support_example, use.entry)
+            if count is not None:
+                p.support_flags.append((use.entry.name, count))
 
     def _support_check(self, loss: Tensor) -> None:
         """Loss ``j`` must depend on example ``j``'s rows alone in every hooked output (checked for the first and
@@ -312,8 +313,9 @@ class BackwardBookkeeping:
         self._refuse_autograd_writes(stamps, set())
         if p.support_flags:
             names = [name for name, _ in p.support_flags]
-            flags = torch.stack([flag.to(p.support_flags[0][1].device) for _, flag in p.support_flags]).tolist()
-            p.support_failures += [name for name, bad in zip(names, flags, strict=True) if bad]
+            device = p.support_flags[0][1].device
+            counts = [c if c.device == device else c.to(device) for _, c in p.support_flags]
+            p.support_failures += [name for name, n in zip(names, torch.stack(counts).tolist(), strict=True) if n > 0]
             p.support_flags = []
         if p.support_failures:
             modules = sorted(set(p.support_failures))

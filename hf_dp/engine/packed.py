@@ -97,14 +97,15 @@ class Segments:
         return out.view(self.count, self.width, *rest)
 
     def foreign(self, grad: Tensor, layout: Layout, rows: int, example: int, entry) -> Tensor:
-        """Whether ``grad`` (the gradient of sequence ``example``'s loss alone at the output of hooked ``entry``) is
-        non-zero at a token of another sequence (a 0-dim bool tensor; non-finite entries ignored, as for rows)."""
+        """How many entries of ``grad`` (the gradient of sequence ``example``'s loss alone at the output of hooked
+        ``entry``) are non-zero at tokens of other sequences (a 0-dim integer tensor; non-finite entries ignored, as
+        for rows)."""
         dims = token_dims(entry.rule, entry.module)
         if dims is None:
             raise not_token_wise(entry)
         g = self.relay(to_rows(grad, grad_layout(layout), rows), dims[1], f"The output of `{entry.name}`")
         others = torch.cat([g[:example].reshape(-1), g[example + 1 :].reshape(-1)])
-        return ((others != 0) & torch.isfinite(others)).any()
+        return ((others != 0) & torch.isfinite(others)).sum()
 
 
 def segments_of(position_ids: Tensor, rows: int) -> Segments:

@@ -51,9 +51,10 @@ def closed_form_grads(
     return {p: fold(value, batch_size) for p, value in grads.items()}
 
 
-def foreign_rows(grad: Tensor, layout: Layout, batch_size: int, example: int) -> Tensor:
-    """Whether ``grad`` (the gradient of loss ``example`` alone) is non-zero in rows of other examples (a 0-dim bool
-    tensor on ``grad``'s device: the caller reads it).
+def foreign_rows(grad: Tensor, layout: Layout, batch_size: int, example: int) -> Tensor | None:
+    """How many entries of ``grad`` (the gradient of loss ``example`` alone) are non-zero in rows of other examples
+    (a 0-dim integer tensor on ``grad``'s device: the caller reads it; ``None`` for a batch of one, which has no other
+    rows).
 
     Non-finite entries are ignored: ``0 * inf`` is NaN in a backward pass through an example whose activations
     overflowed, which says nothing about coupling (and such an example gets weight 0 anyway).
@@ -69,6 +70,6 @@ def foreign_rows(grad: Tensor, layout: Layout, batch_size: int, example: int) ->
         for lo, hi in ((0, example * k), ((example + 1) * k, g.shape[0]))
         for part in (g[i : min(i + step, hi)] for i in range(lo, hi, step))
     ]
-    if not counts:  # a batch of one: no other rows
-        return torch.zeros((), dtype=torch.bool, device=g.device)
-    return torch.stack(counts).sum() > 0
+    if len(counts) > 1:
+        return torch.stack(counts).sum()
+    return counts[0] if counts else None

@@ -66,7 +66,7 @@ class Pass:
     phase: str | None = None  # None, "record" (our backward), "support" (the first-batch layout check)
     support_example: int = 0
     support_failures: list[str] = field(default_factory=list)
-    support_flags: list = field(default_factory=list)  # (module name, 0-dim bool tensor): read after the check
+    support_flags: list = field(default_factory=list)  # (module name, 0-dim count of foreign entries), read at once
     norm_sq: Tensor | None = None  # [G, B] squared per-example norms of each clipping group (in backward units)
     norm_parts: dict = field(default_factory=dict)  # group -> [B] terms of its norm not yet added to norm_sq
     norm_dense: dict = field(default_factory=dict)  # group -> instantiated gradients whose norms are not yet added

@@ -66,8 +66,8 @@ def _own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return own
 
 
-def _reject_batch_statistics(model: nn.Module) -> None:
-    for name, module in model.named_modules():
+def _reject_batch_statistics(named: list[tuple[str, nn.Module]]) -> None:
+    for name, module in named:
         if isinstance(module, _BatchNorm):
             raise UnsupportedModuleError(
                 f"Module `{name}` ({type(module).__name__}) is a BatchNorm layer: its output for one example depends "
@@ -110,39 +110,40 @@ def plan_coverage(model: nn.Module, *, allow_fallback: bool = True) -> list[Hook
         UnsupportedModuleError: BatchNorm (or running statistics) in the model, an unsupported configuration of a
             layer, or a trainable parameter nothing covers with ``allow_fallback=False``.
     """
-    _reject_batch_statistics(model)
+    named = list(model.named_modules())
+    _reject_batch_statistics(named)
     trainable = {id(p) for p in trainable_parameters(model)}
-    matched: list[tuple[str, nn.Module, RuleMatch | None]] = []
-    for name, module in model.named_modules():
+    matched: list[tuple[str, nn.Module, RuleMatch | None, list[tuple[str, nn.Parameter]]]] = []
+    for name, module in named:
         check_prefix_encoder(module, name)
         if not isinstance(module, _CONTAINERS):  # a container is never called: the module that holds it uses them
-            matched.append((name, module, _applicable_match(module, name)))
+            matched.append((name, module, _applicable_match(module, name), _own_parameters(module)))
     delegated = _delegated(matched)
     hooked: list[HookedModule] = []
-    for name, module, match in matched:
+    for name, module, match, own_params in matched:
         covered: set[int] = delegated
         if match is not None:
             params = [p for p in match.rule.parameters(module) if id(p) in trainable]
             covered = {id(p) for p in params} | delegated
-            own = [n for n, p in _own_parameters(module) if id(p) in trainable and id(p) not in covered]
+            own = [n for n, p in own_params if id(p) in trainable and id(p) not in covered]
             if own and not match.exact:  # a guessed rule that does not cover the module: the fallback takes it all
                 match, covered = None, delegated
             elif params:
                 hooked.append(HookedModule(name, module, match.rule, params, match))
-        own = [(n, p) for n, p in _own_parameters(module) if id(p) in trainable and id(p) not in covered]
+        own = [(n, p) for n, p in own_params if id(p) in trainable and id(p) not in covered]
         if own:
             hooked.append(_fallback_entry(name, module, own, rule_found=match is not None, allow=allow_fallback))
     return hooked
 
 
-def _delegated(matched: list[tuple[str, nn.Module, RuleMatch | None]]) -> set[int]:
+def _delegated(matched: list[tuple[str, nn.Module, RuleMatch | None, list[tuple[str, nn.Parameter]]]]) -> set[int]:
     """Ids of the parameters a module's rule covers for another module, their owner (SpecAugment's mask embedding:
     its owner's masking method runs as the call of a child, :mod:`hf_dp.layers.spec_augment`): the owner is not hooked
-    for them."""
+    for them. ``matched``: each module with its rule match and its own parameters."""
     delegated: set[int] = set()
-    for _, module, match in matched:
+    for _, module, match, own_params in matched:
         if match is not None:
-            own = {id(p) for _, p in _own_parameters(module)}
+            own = {id(p) for _, p in own_params}
             delegated |= {id(p) for p in match.rule.parameters(module) if id(p) not in own}
     return delegated
 

@@ -203,12 +203,25 @@ def _cut(leaves: list, bags: _Bags) -> list[tuple[int, int]]:
     return bounds
 
 
+#: Types that ``tree_flatten`` keeps whole (leaves).
+_LEAF_TYPES = frozenset({Tensor, nn.Parameter, int, float, bool, str, type(None), torch.dtype, torch.device})
+
+
 def slice_batch(args: tuple, kwargs: dict, batch: RootBatch, index: list[int]) -> tuple[tuple, dict]:
     """``(args, kwargs)`` restricted to the examples ``index`` (in that order; repeats allowed).
 
     Every tensor whose first dimension is the batch is indexed along it; bags are cut out of the flat input (and its
     per-sample weights) and get new offsets; everything else is passed unchanged.
     """
+    if (
+        not batch.bags
+        and _LEAF_TYPES.issuperset(map(type, args))
+        and _LEAF_TYPES.issuperset(map(type, kwargs.values()))
+    ):
+        # every input a leaf (the common call): what the general path below does, without flattening
+        rows: dict = {}  # device -> the index, made once per device
+        new_args = tuple([_rows_of(x, batch.size, index, rows) for x in args])
+        return new_args, {k: _rows_of(v, batch.size, index, rows) for k, v in kwargs.items()}
     leaves, spec = _flatten(args, kwargs)
     out = list(leaves)
     skip: set[int] = set()
@@ -225,12 +238,24 @@ def slice_batch(args: tuple, kwargs: dict, batch: RootBatch, index: list[int]) -
         if bags.weights is not None:
             out[bags.weights] = leaves[bags.weights][take]
             skip.add(bags.weights)
+    rows: dict = {}
     for i, leaf in enumerate(leaves):
-        if i in skip or not isinstance(leaf, Tensor) or leaf.dim() == 0 or leaf.shape[0] != batch.size:
-            continue
-        out[i] = leaf.index_select(0, torch.tensor(index, device=leaf.device, dtype=torch.long))
+        if i not in skip:
+            out[i] = _rows_of(leaf, batch.size, index, rows)
     new_args, new_kwargs = tree_unflatten(out, spec)
     return tuple(new_args), dict(new_kwargs)
+
+
+def _rows_of(leaf, size: int, index: list[int], rows: dict):
+    """``leaf``'s rows ``index`` if it is a tensor whose first dimension is the batch of ``size`` examples, else
+    ``leaf``; ``rows``: the index tensors made so far, by device."""
+    if not isinstance(leaf, Tensor) or leaf.dim() == 0 or leaf.shape[0] != size:
+        return leaf
+    device = leaf.device
+    take = rows.get(device)
+    if take is None:
+        take = rows[device] = torch.tensor(index, device=device, dtype=torch.long)
+    return leaf.index_select(0, take)
 
 
 def _call_bags(record) -> tuple[list[tuple[int, int]], Tensor | None] | None:

@@ -12,6 +12,7 @@ removes the attributes it added, so the training forward computes what it would 
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator
 
 from torch import nn
@@ -24,6 +25,12 @@ _MISSING = object()
 def _restore(table: dict, saved: dict) -> None:
     """``table`` (a module's ``__dict__`` or its buffers) back to the objects of ``saved``: replaced entries put back
     by reference, added ones removed (an entry mutated in place, e.g. a dict of hooks, is the same object)."""
+    if (
+        len(table) == len(saved)
+        and all(map(operator.is_, table.values(), saved.values()))
+        and all(map(operator.is_, table, saved))
+    ):
+        return  # the same keys, in the same order, bound to the same objects: nothing to put back
     for key in [k for k in table if k not in saved]:
         del table[key]
     for key, value in saved.items():
@@ -32,12 +39,13 @@ def _restore(table: dict, saved: dict) -> None:
 
 
 @contextlib.contextmanager
-def kept_state(model: nn.Module) -> Iterator[None]:
+def kept_state(model: nn.Module) -> Iterator[list[nn.Module]]:
     """Every module's attributes and buffers as they were on entry, once the block has run (parameters are left as
-    they are)."""
-    saved = [(m, dict(m.__dict__), dict(m._buffers)) for m in model.modules()]
+    they are). Gives the model's ``modules()`` as they were on entry."""
+    modules = list(model.modules())
+    saved = [(m, dict(m.__dict__), dict(m._buffers)) for m in modules]
     try:
-        yield
+        yield modules
     finally:
         for module, attributes, buffers in saved:
             _restore(module._buffers, buffers)

@@ -12,7 +12,6 @@ it), which is what coverage is checked against (DESIGN §4.12).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..layers import Layout
 from ..layers.base import autocast_state
+from .probe_modes import eval_mode, frozen_rng, probe_mode
 from .routing import RowTracker
 
 __all__ = [
@@ -69,17 +69,21 @@ def tolerance(dtype: torch.dtype) -> float:
     return 5e-2
 
 
+_SEQUENCES = (list, tuple)
+
+
 def _params_in(args: tuple, kwargs: dict, params: dict[int, nn.Parameter]) -> list[nn.Parameter]:
     """The ``params`` among the arguments of a torch function (top level, and inside a top-level list or tuple)."""
     found = []
-    for x in itertools.chain(args, kwargs.values()) if kwargs else args:
-        p = params.get(id(x))
+    get = params.get
+    for x in (*args, *kwargs.values()) if kwargs else args:
+        p = get(id(x))
         if p is not None:
             if p is x:
                 found.append(p)
-        elif isinstance(x, list | tuple):
+        elif isinstance(x, _SEQUENCES):
             for y in x:
-                q = params.get(id(y))
+                q = get(id(y))
                 if q is not None and q is y:
                     found.append(q)
     return found
@@ -116,7 +120,7 @@ class UseRecorder(TorchFunctionMode):
         out = func(*args, **kwargs) if kwargs else func(*args)
         if self.observer is not None:
             self.observer(func, args, kwargs, out)
-        if func in _NOT_USES:
+        if func in _NOT_USES or not self.params:  # no params: none found
             return out
         found = _params_in(args, kwargs, self.params)
         if found and (not self.grad_mode_only or torch.is_grad_enabled()) and _differentiable(out):
@@ -151,16 +155,26 @@ def _leaves(x, out: list) -> None:
 
 def flatten_call(args: tuple, kwargs: dict) -> list:
     """The leaves of a call's ``(args, kwargs)``, as ``tree_flatten((tuple(args), dict(kwargs)))`` lists them."""
-    leaves: list = []
-    for x in args:
-        _leaves(x, leaves)
-    for x in kwargs.values():
-        _leaves(x, leaves)
+    if _LEAF_TYPES.issuperset(map(type, args)):  # every argument a leaf (the common call)
+        leaves = list(args)
+    else:
+        leaves = []
+        for x in args:
+            _leaves(x, leaves)
+    if kwargs:
+        values = kwargs.values()
+        if _LEAF_TYPES.issuperset(map(type, values)):
+            leaves += values
+        else:
+            for x in values:
+                _leaves(x, leaves)
     return leaves
 
 
 def flatten_output(output) -> list:
     """The leaves of a call's output, as ``tree_flatten(output)`` lists them."""
+    if type(output) in _LEAF_TYPES:
+        return [output]
     leaves: list = []
     _leaves(output, leaves)
     return leaves
@@ -193,78 +207,6 @@ class ProbeRun:
     routed: frozenset[int] = frozenset()  # calls whose rows the data's values chose (:mod:`.routing`), if tracked
 
 
-@contextlib.contextmanager
-def eval_mode(model: nn.Module):
-    """Every submodule in eval mode (dropout off), each one's own flag restored afterwards."""
-    flags = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, flag in flags:
-            m.training = flag
-
-
-#: Torch functions that drop entries at random in training mode: the identity in a training-like probe.
-_DROPOUTS = frozenset(
-    {
-        torch.nn.functional.dropout,
-        torch.nn.functional.dropout1d,
-        torch.nn.functional.dropout2d,
-        torch.nn.functional.dropout3d,
-        torch.nn.functional.alpha_dropout,
-        torch.nn.functional.feature_alpha_dropout,
-        torch.dropout,
-        torch.alpha_dropout,
-        torch.feature_dropout,
-        torch.feature_alpha_dropout,
-    }
-)
-
-
-class _NoDropout(TorchFunctionMode):
-    """Dropout as in eval mode (the input unchanged; attention dropout of ``scaled_dot_product_attention`` 0) while
-    every module keeps its training flag."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func in _DROPOUTS:
-            return args[0] if args else kwargs["input"]
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            if len(args) > 4:
-                args = (*args[:4], 0.0, *args[5:])
-            if "dropout_p" in kwargs:
-                kwargs["dropout_p"] = 0.0
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def probe_mode(model: nn.Module, training_like: bool = False):
-    """The mode the probe runs the model in: :func:`eval_mode`, or (``training_like``) every module's own training
-    flag with dropout off (a model whose training forward takes another path than its eval one, e.g. XLNet, which
-    returns its memories in eval mode only). Any other random draw of a training-like run differs between the
-    sub-batch runs, which then prove nothing for the tensors it touches (refused, never guessed)."""
-    if not training_like:
-        with eval_mode(model):
-            yield
-        return
-    with _NoDropout():
-        yield
-
-
-@contextlib.contextmanager
-def frozen_rng(devices: list[torch.device]):
-    """Run code that may draw random numbers without changing what training draws afterwards."""
-    cpu = torch.get_rng_state()
-    cuda = [(d, torch.cuda.get_rng_state(d)) for d in devices if d.type == "cuda"]
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu)
-        for d, state in cuda:
-            torch.cuda.set_rng_state(state, d)
-
-
 class Prober:
     """Probe runs of one model (:func:`run_probe`), with the hooks that record them registered once for all of them
     (a pre-hook appended and a post-hook prepended on every module, as for a single run).
@@ -282,35 +224,37 @@ class Prober:
         self._output_hook: Callable[[CallRecord, Any], Any] | None = None
         self._rows: RowTracker | None = None
         self._routing = False  # an earlier run found routed calls: the later runs track rows too
+        self._listed: list[nn.Module] | None = None  # modules() as listed on entry, until a run starts
 
     def __enter__(self) -> Prober:
-        for module in self.model.modules():
-            self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self.handles.append(
-                module.register_forward_hook(self._post, with_kwargs=True, always_call=True, prepend=True)
-            )
+        handles, pre, post = self.handles, self._pre, self._post
+        self._listed = list(self.model.modules())
+        for module in self._listed:
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True, prepend=True))
         return self
 
     def __exit__(self, *exc) -> None:
         for handle in self.handles:
             handle.remove()
-        self.handles = []
+        self.handles, self._listed = [], None
 
     def _pre(self, module, args, kwargs):
         calls = self._calls
         if calls is None:
             return
-        key = id(module)
-        ordinal = self._counts.get(key, 0)
-        self._counts[key] = ordinal + 1
+        counts, key = self._counts, id(module)
+        ordinal = counts.get(key, 0)
+        counts[key] = ordinal + 1
         stack = self._stack
-        record = CallRecord(len(calls), module, stack[-1] if stack else None, ordinal, tuple(args), dict(kwargs))
-        record.in_leaves = flatten_call(args, kwargs)
-        record.autocast = autocast_state()
+        index, parent, in_leaves = len(calls), stack[-1] if stack else None, flatten_call(args, kwargs)
+        # autocast_state() is () unless autocast is on for some device type
+        autocast = autocast_state() if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda") else ()
+        record = CallRecord(index, module, parent, ordinal, tuple(args), dict(kwargs), None, in_leaves, [], autocast)
         calls.append(record)
-        stack.append(record.index)
+        stack.append(index)
         if self._rows is not None:
-            self._rows.enter(record.index, record.parent, record.in_leaves)
+            self._rows.enter(index, parent, in_leaves)
 
     def _post(self, module, args, kwargs, output):
         calls, stack = self._calls, self._stack
@@ -322,7 +266,7 @@ class Prober:
             if replaced is not None:
                 output = replaced
         record.output = output
-        record.out_leaves = flatten_output(output)
+        record.out_leaves = [output] if type(output) in _LEAF_TYPES else flatten_output(output)
         if self._rows is not None:
             self._rows.leave(record.index, record.out_leaves)
         return output
@@ -355,7 +299,8 @@ class Prober:
         self._output_hook = output_hook
         recorded = self._uses
         track = (uses or self._routing) if rows is None else rows
-        tracker = self._rows = RowTracker.for_model(self.model) if track else None
+        listed, self._listed = self._listed, None  # the modules of the first run after entering, as listed then
+        tracker = self._rows = RowTracker.for_model(self.model, listed) if track else None
         observer = None if tracker is None else tracker.observe
         try:
             recorder = UseRecorder(params if uses else {}, self._on_use, observer=observer)

@@ -11,10 +11,12 @@ and the new layouts join the plan (the hooked modules and what they cover must n
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import replace
 
+import torch
 from torch import Tensor, nn
 
 from ..layers import ScaledRule, UnsupportedModuleError
@@ -28,6 +30,9 @@ from .shared_outputs import copied_calls
 from .state import expand_output
 
 logger = logging.getLogger("hf_dp.engine.clipper")
+
+#: ``nn.Module``'s methods behind ``parameters()``.
+_PARAMETERS = ("parameters", "named_parameters", "_named_members", "named_modules", "modules")
 
 __all__ = ["PlanProof"]
 
@@ -52,7 +57,6 @@ class PlanProof:
         self._check_own_passes("prove a plan")
         names, param_names = names if names is not None else self._names()
         params = {id(p): p for p in self._trainable}
-        devices = sorted({p.device for p in self.model.parameters()}, key=str)
         second = second if batch.size > 1 else first
         pair = [second, first]
 
@@ -75,8 +79,7 @@ class PlanProof:
                 raise failed(err) from err
 
         # one eval mode, one set of probe hooks for runs 1-2 (maybe in a checkpointed region), module state put back
-        mode = probe_mode(self.model, training_like)
-        with self._inert(), frozen_rng(devices), kept_state(self.model), own_saved_tensors(), mode:
+        with self._proving(training_like):
             try:
                 with Prober(self.model) as prober:
                     one = prober.run(*slice_batch(args, kwargs, batch, [first]), params)
@@ -95,6 +98,21 @@ class PlanProof:
             )
             self._prove_expansions(plan, args, kwargs, batch, pair, two, params)
         return plan
+
+    @contextlib.contextmanager
+    def _proving(self, training_like: bool):
+        """The state :meth:`_make_plan` runs the model in: the engine's hooks inert, the module state and random
+        numbers put back afterwards, the probe's mode (maybe in a checkpointed region: the engine's own saved
+        tensors)."""
+        model = self.model
+        with (
+            self._inert(),
+            kept_state(model) as modules,  # listed on entry: for the devices and the flags eval mode puts back
+            frozen_rng(_devices(model, modules)),
+            own_saved_tensors(),
+            probe_mode(model, training_like, modules),
+        ):
+            yield
 
     def _prove_expansions(self, plan: Plan, args, kwargs, batch: RootBatch, pair: list[int], two, params) -> None:
         """Defer the proven ``[1, ...]`` outputs that reach the model's output through the model's own copies of them
@@ -267,6 +285,15 @@ def _entry_key(entry: HookedModule) -> tuple:
 
 def _kind(x) -> tuple | None:
     return (x.dim(), x.dtype) if isinstance(x, Tensor) else None
+
+
+def _devices(model: nn.Module, modules: list[nn.Module]) -> list[torch.device]:
+    """The devices of ``model``'s parameters; ``modules``: its ``modules()``, whose own parameters are those
+    ``parameters()`` yields unless the model's class reads them otherwise."""
+    kind = type(model)
+    if any(getattr(kind, name) is not getattr(nn.Module, name) for name in _PARAMETERS):
+        return sorted({p.device for p in model.parameters()}, key=str)
+    return sorted({p.device for m in modules for p in m._parameters.values() if p is not None}, key=str)
 
 
 def _same_structure(call, in_leaves, out_leaves, fallback: bool) -> bool:

@@ -94,21 +94,26 @@ def _arg(args: tuple, kwargs: dict | None, position: int, name: str, default: An
     return (kwargs or {}).get(name, default)
 
 
+_SEQUENCES = (list, tuple)
+#: ``nn.Module``'s methods behind ``parameters()`` and ``buffers()``.
+_MEMBERS = ("parameters", "named_parameters", "buffers", "named_buffers", "_named_members", "named_modules", "modules")
+
+
 def _tensors(args: tuple, kwargs: dict | None) -> list[Tensor]:
     """The tensors among a call's arguments (top level, and inside a top-level list or tuple)."""
     found = []
     for x in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(x, Tensor):
             found.append(x)
-        elif isinstance(x, list | tuple):
-            found.extend(y for y in x if isinstance(y, Tensor))
+        elif isinstance(x, _SEQUENCES):
+            found += [y for y in x if isinstance(y, Tensor)]
     return found
 
 
 def _outputs(out: Any) -> list[Tensor]:
     if isinstance(out, Tensor):
         return [out]
-    if isinstance(out, list | tuple):
+    if isinstance(out, _SEQUENCES):
         return [y for y in out if isinstance(y, Tensor)]
     return []
 
@@ -142,9 +147,22 @@ class RowTracker:
         self.routed_calls: set[int] = set()
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> RowTracker:
-        """A tracker for a run of ``model`` (its parameters and buffers are its tables)."""
-        return cls(frozenset(id(t) for t in itertools.chain(model.parameters(), model.buffers())))
+    def for_model(cls, model: nn.Module, modules: list[nn.Module] | None = None) -> RowTracker:
+        """A tracker for a run of ``model`` (its parameters and buffers are its tables). ``modules``: the model's
+        ``modules()``, if the caller has just listed them."""
+        kind = type(model)
+        if modules is None or any(getattr(kind, name) is not getattr(nn.Module, name) for name in _MEMBERS):
+            return cls(frozenset(map(id, itertools.chain(model.parameters(), model.buffers()))))
+        # what nn.Module's parameters() and buffers() yield: each module's own, less None and repeats
+        found: set[int] = set()
+        for table in ("_parameters", "_buffers"):
+            memo: set[Tensor] = set()
+            for m in modules:
+                for t in getattr(m, table).values():
+                    if t is not None and t not in memo:
+                        memo.add(t)
+                        found.add(id(t))
+        return cls(frozenset(found))
 
     @staticmethod
     def _has(marks: dict[int, weakref.ref], t: Tensor) -> bool:
@@ -174,34 +192,54 @@ class RowTracker:
         return isinstance(index, Tensor) and self._has(self._derived, index)
 
     def observe(self, func, args: tuple, kwargs: dict | None, out: Any) -> None:
-        tensors = _tensors(args, kwargs)
-        if not tensors and func not in _RANDOM:
+        outputs = (out,) if isinstance(out, Tensor) else _outputs(out)
+        if not outputs:  # a call that returns no tensor marks nothing
             return
-        outputs = _outputs(out)
-        if func in _WRITES:
-            target = args[0] if args else None
-            routed = isinstance(target, Tensor) and self._has(self._routed, target)
-        else:
-            routed = any(self._has(self._routed, t) for t in tensors) or self._selects_by_value(func, args, kwargs)
-        if routed:
-            self._mark(self._routed, outputs)
+        # routed: only while some tensor is marked routed, or an index is value-derived (else nothing can be)
+        if self._routed or (self._derived and func in _INDEX_ARG):
+            if self._routes(func, args, kwargs, _tensors(args, kwargs)):
+                self._mark(self._routed, outputs)
         if func in _SHAPE_ONLY:
             return
-        derived = func in _RANDOM or any(
-            t.is_floating_point() or t.is_complex() or self._has(self._derived, t) for t in tensors
-        )
-        if derived:
-            self._mark(self._derived, [t for t in outputs if not (t.is_floating_point() or t.is_complex())])
+        if func in _RANDOM or self._derives(args, kwargs):
+            marks = self._derived
+            for t in outputs:
+                if not (t.is_floating_point() or t.is_complex()):
+                    marks[id(t)] = weakref.ref(t)
+
+    def _derives(self, args: tuple, kwargs: dict | None) -> bool:
+        """Whether some tensor argument (in :func:`_tensors`' order) is floating-point, complex or value-derived."""
+        marks = self._derived
+        for x in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(x, Tensor):
+                if x.is_floating_point() or x.is_complex() or (marks and self._has(marks, x)):
+                    return True
+            elif isinstance(x, _SEQUENCES):
+                for y in x:
+                    if isinstance(y, Tensor) and (
+                        y.is_floating_point() or y.is_complex() or (marks and self._has(marks, y))
+                    ):
+                        return True
+        return False
+
+    def _routes(self, func, args: tuple, kwargs: dict | None, tensors: list[Tensor]) -> bool:
+        """Whether the outputs of ``func`` are routed (see the module docstring)."""
+        if func in _WRITES:
+            target = args[0] if args else None
+            return isinstance(target, Tensor) and self._has(self._routed, target)
+        return any(self._has(self._routed, t) for t in tensors) or self._selects_by_value(func, args, kwargs)
 
     def enter(self, index: int, parent: int | None, in_leaves: list) -> None:
         """A module call starts: it is routed if its caller is, or if it takes a routed tensor."""
-        if parent in self.routed_calls or any(isinstance(x, Tensor) and self._has(self._routed, x) for x in in_leaves):
+        if parent in self.routed_calls or (
+            self._routed and any(isinstance(x, Tensor) and self._has(self._routed, x) for x in in_leaves)
+        ):
             self.routed_calls.add(index)
 
     def leave(self, index: int, out_leaves: list) -> None:
         """A module call returns: the output of a call that is not routed is proven as any other (the comparison of
         the runs decides), not routed."""
-        if index not in self.routed_calls:
+        if self._routed and index not in self.routed_calls:
             for x in out_leaves:
                 if isinstance(x, Tensor):
                     self._routed.pop(id(x), None)

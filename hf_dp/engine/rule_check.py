@@ -7,6 +7,8 @@ lowest precision the call computes in.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -134,22 +136,36 @@ def _call_with(module: nn.Module, leaves: dict[str, Tensor], args: tuple, kwargs
 
 def _comparison_norms(named: dict, ref: dict, grads: dict) -> dict:
     """``param -> (||autograd||, ||rule - autograd|| or None without a rule gradient, ||rule||)``, read on the host
-    at once (``Tensor.norm()`` is ``vector_norm(., 2)``; ``||rule||`` from the ghost norm)."""
-    parts, where = [], {}
+    at once: the Euclidean norms in one ``_foreach_norm``, ``||rule||`` the square root of the ghost norm (IEEE
+    ``sqrt`` in float64 on the host: the value ``Tensor.sqrt`` gives)."""
+    dense, ghost, where = [], [], {}
     for p in named.values():
         expected = ref[p].double()
         got = grads.get(p)
-        row = [torch.linalg.vector_norm(expected)]
+        where[p] = (len(dense), None if got is None else len(ghost))
+        dense.append(expected)
         if got is not None:
-            dense = instantiate(got, compute_dtype(p.dtype)).value[0].double()
-            row += [torch.linalg.vector_norm(dense - expected), norm_sq(got, torch.float64)[0].sqrt()]
-        where[p] = (len(parts), len(row))
-        parts += [x.to(dtype=torch.float64, device=parts[0].device if parts else x.device) for x in row]
-    flat = torch.stack(parts).tolist() if parts else []
+            value = instantiate(got, compute_dtype(p.dtype)).value
+            if value.shape[0] != 1:
+                raise ValueError("a gradient of more than one example")  # compared in order, as it comes
+            # `value - expected` holds the entries of `value[0] - expected` (a leading size-1 dimension broadcasts)
+            dense.append(value.double() - expected)
+            ghost.append(norm_sq(got, torch.float64))
+    if not dense:
+        return {}
+    device = dense[0].device
+    if any(t.device != device for t in (*dense, *ghost)):  # parameters on several devices: compared on the first
+        dense, ghost = [t.to(device=device) for t in dense], [t.to(device=device) for t in ghost]
+    norms = torch.stack(torch._foreach_norm(dense))
+    flat = torch.cat([norms, *ghost]).tolist() if ghost else norms.tolist()
+    if len(flat) != len(dense) + len(ghost):
+        raise ValueError("a ghost norm of more than one example")  # compared in order, as it comes
     out = {}
-    for p, (start, n) in where.items():
-        row = flat[start : start + n]
-        out[p] = (row[0], row[1], row[2]) if n == 3 else (row[0], None, None)
+    for p, (i, j) in where.items():
+        if j is None:
+            out[p] = (flat[i], None, None)
+        else:
+            out[p] = (flat[i], flat[i + 1], math.sqrt(flat[len(dense) + j]))
     return out
 
 

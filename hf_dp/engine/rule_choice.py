@@ -60,10 +60,10 @@ def choose_rule(
             return FALLBACK_RULE
         if abs(scale - 1.0) > 1e-12:
             rule = ScaledRule(rule, scale)
-    first = next((c for c in calls if closed_form_layout(rule, c, layouts) is not None), None)
+    found = ((c, closed_form_layout(rule, c, layouts)) for c in calls)
+    first, layout = next(((c, lay) for c, lay in found if lay is not None), (None, None))
     if first is None:
         return rule  # its uses are covered by an enclosing module (decided per use: :mod:`.use_coverage`)
-    layout = closed_form_layout(rule, first, layouts)
     if _covers_foreign(entry):
         problem = foreign_disagreement(entry, rule, first, layout)
     elif checks is None:

@@ -7,13 +7,14 @@ lowest precision the call computes in.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 from torch import Tensor, nn
 
 from ..layers import LayerRule, Layout
-from ..layers.base import autocast_like
+from ..layers.base import autocast_like, own_named_parameters
 from ..layers.grads import compute_dtype, instantiate, norm_sq
 from .coverage import HookedModule
 from .probe import CallRecord, tolerance
@@ -49,7 +50,8 @@ def measure_disagreement(
     captured = rule.capture(module, call.args, call.kwargs, output)
     with torch.no_grad():
         grads = closed_form_grads(rule, module, captured, g.clone(), layout, 1, params)
-    named = {n: p for n, p in module.named_parameters() if p in params}
+    covered = {id(p) for p in entry.params}
+    named = {n: p for n, p in _named_parameters(module) if id(p) in covered}
     ref = _autograd_grads(module, named, call, g)
     if isinstance(ref, str):
         return ref, float("inf")
@@ -69,25 +71,45 @@ def _autograd_grads(
 ) -> dict[nn.Parameter, Tensor] | str:
     """The reference: autograd's vector-Jacobian product ``g^T d(output)/d(param)`` of the module's forward re-run on
     the call (zeros for a parameter it does not use), or what is wrong with the re-run's output."""
-    with torch.enable_grad(), autocast_like(call.autocast):
+    amp = autocast_like(call.autocast) if call.autocast else contextlib.nullcontext()
+    with torch.enable_grad(), amp:
         leaves = {n: p.detach().requires_grad_(True) for n, p in named.items()}
         out = _call_with(module, leaves, call.args, call.kwargs)
         if not isinstance(out, Tensor) or out.shape != call.output.shape:
             return f"its forward returned {type(out).__name__} when re-run"
+        inputs = list(leaves.values())
         if out.dtype == g.dtype:  # the gradient of `(out * g).sum()` with respect to `out` is `g`, exactly
-            ref = torch.autograd.grad(out, list(leaves.values()), grad_outputs=g, allow_unused=True)
+            ref = torch.autograd.grad(out, inputs, grad_outputs=g, allow_unused=True)
         else:
-            ref = torch.autograd.grad((out * g).sum(), list(leaves.values()), allow_unused=True)
+            ref = torch.autograd.grad((out * g).sum(), inputs, allow_unused=True)
     return {named[n]: (torch.zeros_like(p) if r is None else r) for (n, p), r in zip(leaves.items(), ref, strict=True)}
+
+
+def _named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``module.named_parameters()``; for a module without submodules whose class lists them as ``nn.Module`` does,
+    read from ``module._parameters`` (:func:`own_named_parameters`: the same pairs, in the same order)."""
+    kind, base = type(module), nn.Module
+    if (
+        module._modules
+        or kind.named_parameters is not base.named_parameters
+        or kind._named_members is not base._named_members
+        or kind.named_modules is not base.named_modules
+    ):
+        return list(module.named_parameters())
+    return own_named_parameters(module)
 
 
 def _worst_margin(named: dict, values: dict, computed: list) -> tuple[str | None, float]:
     """The first mismatch among the norms of :func:`_comparison_norms` (with ``inf``), or ``None`` and the largest
     difference over its threshold."""
-    scale = float(sum(x * x for x, *_ in values.values()) ** 0.5) or 1.0
+    total = 0.0
+    for x, *_ in values.values():
+        total += x * x
+    scale = float(total**0.5) or 1.0
+    floor = max([tolerance(dtype) for dtype in computed], default=0.0)
     worst = 0.0
     for name, p in named.items():
-        tol = max(tolerance(dtype) for dtype in (p.dtype, *computed))
+        tol = max(tolerance(p.dtype), floor)
         expected_norm, err, norm = values[p]
         if err is None:
             if expected_norm > tol * scale:
@@ -116,11 +138,12 @@ def _call_with(module: nn.Module, leaves: dict[str, Tensor], args: tuple, kwargs
     """``torch.func.functional_call(module, leaves, args, kwargs)``; for a module without submodules whose
     parameters are distinct tensors (nothing to untie), the same swap of ``module._parameters`` done directly."""
     own = module._parameters
+    present = [id(p) for p in own.values() if p is not None]
     direct = (
         not module._modules
         and not isinstance(module, torch.jit.ScriptModule)
-        and all(n in own for n in leaves)
-        and len({id(p) for p in own.values() if p is not None}) == sum(p is not None for p in own.values())
+        and own.keys() >= leaves.keys()
+        and len(set(present)) == len(present)
     )
     if not direct:
         return torch.func.functional_call(module, leaves, args, kwargs)

@@ -90,7 +90,10 @@ def choose_rule(
 def _covers_foreign(entry: HookedModule) -> bool:
     """Whether ``entry``'s rule covers parameters its module does not own (SpecAugment's mask embedding)."""
     own = {id(p) for _, p in own_named_parameters(entry.module)}
-    return any(id(p) not in own for p in entry.params)
+    for p in entry.params:
+        if id(p) not in own:
+            return True
+    return False
 
 
 def _measure_scale(module: nn.Module, base: type, call: CallRecord) -> float | None:

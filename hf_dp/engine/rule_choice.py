@@ -60,8 +60,12 @@ def choose_rule(
             return FALLBACK_RULE
         if abs(scale - 1.0) > 1e-12:
             rule = ScaledRule(rule, scale)
-    found = ((c, closed_form_layout(rule, c, layouts)) for c in calls)
-    first, layout = next(((c, lay) for c, lay in found if lay is not None), (None, None))
+    first = layout = None
+    for call in calls:
+        layout = closed_form_layout(rule, call, layouts)
+        if layout is not None:
+            first = call
+            break
     if first is None:
         return rule  # its uses are covered by an enclosing module (decided per use: :mod:`.use_coverage`)
     if _covers_foreign(entry):

@@ -177,7 +177,7 @@ def _comparison_norms(named: dict, ref: dict, grads: dict) -> dict:
     if not dense:
         return {}
     device = dense[0].device
-    if any(t.device != device for t in (*dense, *ghost)):  # parameters on several devices: compared on the first
+    if len({t.device for t in (*dense, *ghost)}) > 1:  # parameters on several devices: compared on the first
         dense, ghost = [t.to(device=device) for t in dense], [t.to(device=device) for t in ghost]
     norms = torch.stack(torch._foreach_norm(dense))
     flat = torch.cat([norms, *ghost]).tolist() if ghost else norms.tolist()

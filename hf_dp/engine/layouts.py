@@ -158,6 +158,7 @@ class Layouts:
         self.inputs = _Column(self, 0)
         self.outputs = _Column(self, 1)
         self.fallback_memo: dict[int, CallLayout | None] = {}
+        self.closed_form_memo: dict[tuple[int, str], Layout | None] = {}  # (call, rule.layout) -> its layout
 
     def _set_three(self, three: ProbeRun | None) -> None:
         if three is not None and [k for k, _ in _signature(three, self._relevant)] != self._keys_two:
@@ -176,11 +177,16 @@ class Layouts:
         return (c1.in_leaves, c2.in_leaves) if side == 0 else (c1.out_leaves, c2.out_leaves)
 
     def _pair(self, i: int, side: int, j: int, a, b):
-        """The layout leaf ``j`` proves in the runs on one and two examples."""
+        """The layout leaf ``j`` proves in the runs on one and two examples (:meth:`_infer`, read here directly)."""
         key = (i, side, j)
-        if key not in self._pairs:
-            self._pairs[key] = self._infer(a, b)
-        return self._pairs[key]
+        pairs = self._pairs
+        if key in pairs:
+            return pairs[key]
+        pair = (id(a), id(b), (1, 2))
+        inferred = self._inferred
+        layout = inferred[pair] if pair in inferred else inferred.setdefault(pair, infer_layout(a, b, (1, 2)))
+        pairs[key] = layout
+        return layout
 
     def _infer(self, a, b, sizes: tuple[int, int] = (1, 2)):
         """:func:`infer_layout` of two leaves, once per pair of objects: a tensor one call returns is often what
@@ -343,18 +349,30 @@ def is_float(x) -> bool:
 
 
 def closed_form_layout(rule: LayerRule, call: CallRecord, layouts: Layouts) -> Layout | None:
-    """The output layout if ``rule`` can read this call, else ``None``."""
-    outs = layouts.outputs[call.index]
+    """The output layout if ``rule`` can read this call, else ``None`` (once per call of the first run and kind of
+    rule: it depends on nothing else)."""
+    i, kind = call.index, rule.layout
+    memo = layouts.closed_form_memo
+    if (i, kind) in memo and call is layouts.one.calls[i]:
+        return memo[(i, kind)]
+    layout = _closed_form_layout(kind, call, layouts)
+    if call is layouts.one.calls[i]:
+        memo[(i, kind)] = layout
+    return layout
+
+
+def _closed_form_layout(kind: str, call: CallRecord, layouts: Layouts) -> Layout | None:
+    ins, outs = layouts.lists(call.index)
     if not isinstance(call.output, Tensor) or len(outs) != 1 or not isinstance(outs[0], Layout):
         return None
     out = outs[0]
-    if rule.layout == "output":
+    if kind == "output":
         return out if out.dim == 0 and not out.broadcast else None
     if not call.args or not isinstance(call.args[0], Tensor):
         return None
-    if layouts.inputs[call.index][0] != out:  # args[0] is the first input leaf
+    if ins[0] != out:  # args[0] is the first input leaf
         return None
-    if rule.layout == "leading" and (out.dim != 0 or out.broadcast):
+    if kind == "leading" and (out.dim != 0 or out.broadcast):
         return None
     return out
 

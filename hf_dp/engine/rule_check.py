@@ -7,11 +7,14 @@ lowest precision the call computes in.
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import torch
 from torch import Tensor, nn
 
 from ..layers import LayerRule, Layout
-from ..layers.base import autocast_like
+from ..layers.base import autocast_like, own_named_parameters
 from ..layers.grads import compute_dtype, instantiate, norm_sq
 from .coverage import HookedModule
 from .probe import CallRecord, tolerance
@@ -47,7 +50,8 @@ def measure_disagreement(
     captured = rule.capture(module, call.args, call.kwargs, output)
     with torch.no_grad():
         grads = closed_form_grads(rule, module, captured, g.clone(), layout, 1, params)
-    named = {n: p for n, p in module.named_parameters() if p in params}
+    covered = {id(p) for p in entry.params}
+    named = {n: p for n, p in _named_parameters(module) if id(p) in covered}
     ref = _autograd_grads(module, named, call, g)
     if isinstance(ref, str):
         return ref, float("inf")
@@ -67,25 +71,45 @@ def _autograd_grads(
 ) -> dict[nn.Parameter, Tensor] | str:
     """The reference: autograd's vector-Jacobian product ``g^T d(output)/d(param)`` of the module's forward re-run on
     the call (zeros for a parameter it does not use), or what is wrong with the re-run's output."""
-    with torch.enable_grad(), autocast_like(call.autocast):
+    amp = autocast_like(call.autocast) if call.autocast else contextlib.nullcontext()
+    with torch.enable_grad(), amp:
         leaves = {n: p.detach().requires_grad_(True) for n, p in named.items()}
         out = _call_with(module, leaves, call.args, call.kwargs)
         if not isinstance(out, Tensor) or out.shape != call.output.shape:
             return f"its forward returned {type(out).__name__} when re-run"
+        inputs = list(leaves.values())
         if out.dtype == g.dtype:  # the gradient of `(out * g).sum()` with respect to `out` is `g`, exactly
-            ref = torch.autograd.grad(out, list(leaves.values()), grad_outputs=g, allow_unused=True)
+            ref = torch.autograd.grad(out, inputs, grad_outputs=g, allow_unused=True)
         else:
-            ref = torch.autograd.grad((out * g).sum(), list(leaves.values()), allow_unused=True)
+            ref = torch.autograd.grad((out * g).sum(), inputs, allow_unused=True)
     return {named[n]: (torch.zeros_like(p) if r is None else r) for (n, p), r in zip(leaves.items(), ref, strict=True)}
+
+
+def _named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``module.named_parameters()``; for a module without submodules whose class lists them as ``nn.Module`` does,
+    read from ``module._parameters`` (:func:`own_named_parameters`: the same pairs, in the same order)."""
+    kind, base = type(module), nn.Module
+    if (
+        module._modules
+        or kind.named_parameters is not base.named_parameters
+        or kind._named_members is not base._named_members
+        or kind.named_modules is not base.named_modules
+    ):
+        return list(module.named_parameters())
+    return own_named_parameters(module)
 
 
 def _worst_margin(named: dict, values: dict, computed: list) -> tuple[str | None, float]:
     """The first mismatch among the norms of :func:`_comparison_norms` (with ``inf``), or ``None`` and the largest
     difference over its threshold."""
-    scale = float(sum(x * x for x, *_ in values.values()) ** 0.5) or 1.0
+    total = 0.0
+    for x, *_ in values.values():
+        total += x * x
+    scale = float(total**0.5) or 1.0
+    floor = max([tolerance(dtype) for dtype in computed], default=0.0)
     worst = 0.0
     for name, p in named.items():
-        tol = max(tolerance(dtype) for dtype in (p.dtype, *computed))
+        tol = max(tolerance(p.dtype), floor)
         expected_norm, err, norm = values[p]
         if err is None:
             if expected_norm > tol * scale:
@@ -114,11 +138,12 @@ def _call_with(module: nn.Module, leaves: dict[str, Tensor], args: tuple, kwargs
     """``torch.func.functional_call(module, leaves, args, kwargs)``; for a module without submodules whose
     parameters are distinct tensors (nothing to untie), the same swap of ``module._parameters`` done directly."""
     own = module._parameters
+    present = [id(p) for p in own.values() if p is not None]
     direct = (
         not module._modules
         and not isinstance(module, torch.jit.ScriptModule)
-        and all(n in own for n in leaves)
-        and len({id(p) for p in own.values() if p is not None}) == sum(p is not None for p in own.values())
+        and own.keys() >= leaves.keys()
+        and len(set(present)) == len(present)
     )
     if not direct:
         return torch.func.functional_call(module, leaves, args, kwargs)
@@ -134,22 +159,36 @@ def _call_with(module: nn.Module, leaves: dict[str, Tensor], args: tuple, kwargs
 
 def _comparison_norms(named: dict, ref: dict, grads: dict) -> dict:
     """``param -> (||autograd||, ||rule - autograd|| or None without a rule gradient, ||rule||)``, read on the host
-    at once (``Tensor.norm()`` is ``vector_norm(., 2)``; ``||rule||`` from the ghost norm)."""
-    parts, where = [], {}
+    at once: the Euclidean norms in one ``_foreach_norm``, ``||rule||`` the square root of the ghost norm (IEEE
+    ``sqrt`` in float64 on the host: the value ``Tensor.sqrt`` gives)."""
+    dense, ghost, where = [], [], {}
     for p in named.values():
         expected = ref[p].double()
         got = grads.get(p)
-        row = [torch.linalg.vector_norm(expected)]
+        where[p] = (len(dense), None if got is None else len(ghost))
+        dense.append(expected)
         if got is not None:
-            dense = instantiate(got, compute_dtype(p.dtype)).value[0].double()
-            row += [torch.linalg.vector_norm(dense - expected), norm_sq(got, torch.float64)[0].sqrt()]
-        where[p] = (len(parts), len(row))
-        parts += [x.to(dtype=torch.float64, device=parts[0].device if parts else x.device) for x in row]
-    flat = torch.stack(parts).tolist() if parts else []
+            value = instantiate(got, compute_dtype(p.dtype)).value
+            if value.shape[0] != 1:
+                raise ValueError("a gradient of more than one example")  # compared in order, as it comes
+            # `value - expected` holds the entries of `value[0] - expected` (a leading size-1 dimension broadcasts)
+            dense.append(value.double() - expected)
+            ghost.append(norm_sq(got, torch.float64))
+    if not dense:
+        return {}
+    device = dense[0].device
+    if len({t.device for t in (*dense, *ghost)}) > 1:  # parameters on several devices: compared on the first
+        dense, ghost = [t.to(device=device) for t in dense], [t.to(device=device) for t in ghost]
+    norms = torch.stack(torch._foreach_norm(dense))
+    flat = torch.cat([norms, *ghost]).tolist() if ghost else norms.tolist()
+    if len(flat) != len(dense) + len(ghost):
+        raise ValueError("a ghost norm of more than one example")  # compared in order, as it comes
     out = {}
-    for p, (start, n) in where.items():
-        row = flat[start : start + n]
-        out[p] = (row[0], row[1], row[2]) if n == 3 else (row[0], None, None)
+    for p, (i, j) in where.items():
+        if j is None:
+            out[p] = (flat[i], None, None)
+        else:
+            out[p] = (flat[i], flat[i + 1], math.sqrt(flat[len(dense) + j]))
     return out
 
 

@@ -60,10 +60,14 @@ def choose_rule(
             return FALLBACK_RULE
         if abs(scale - 1.0) > 1e-12:
             rule = ScaledRule(rule, scale)
-    first = next((c for c in calls if closed_form_layout(rule, c, layouts) is not None), None)
+    first = layout = None
+    for call in calls:
+        layout = closed_form_layout(rule, call, layouts)
+        if layout is not None:
+            first = call
+            break
     if first is None:
         return rule  # its uses are covered by an enclosing module (decided per use: :mod:`.use_coverage`)
-    layout = closed_form_layout(rule, first, layouts)
     if _covers_foreign(entry):
         problem = foreign_disagreement(entry, rule, first, layout)
     elif checks is None:
@@ -90,7 +94,10 @@ def choose_rule(
 def _covers_foreign(entry: HookedModule) -> bool:
     """Whether ``entry``'s rule covers parameters its module does not own (SpecAugment's mask embedding)."""
     own = {id(p) for _, p in own_named_parameters(entry.module)}
-    return any(id(p) not in own for p in entry.params)
+    for p in entry.params:
+        if id(p) not in own:
+            return True
+    return False
 
 
 def _measure_scale(module: nn.Module, base: type, call: CallRecord) -> float | None:

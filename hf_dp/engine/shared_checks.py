@@ -40,7 +40,7 @@ _MODULE_INTERNALS = frozenset(
 #: float64 round-off is ~1e-10 of the float64 threshold, a lower internal precision ~1e-1.
 SHARE_MARGIN = 1e-2
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
 
 
 class _NotComparable(Exception):
@@ -59,19 +59,27 @@ def _signature(x, values: list, *, float_values: bool):
             values.append(x)
         return (kind, tuple(x.shape), x.stride() if x.layout == torch.strided else None, x.dtype, x.device, x.layout)
     if kind is tuple or kind is list or kind is torch.Size:
-        return (kind, tuple(_signature(y, values, float_values=float_values) for y in x))
+        return (kind, tuple([_signature(y, values, float_values=float_values) for y in x]))
     if kind is dict:
-        if not all(type(k) in _SCALARS for k in x):
-            raise _NotComparable
-        return (kind, tuple((k, _signature(v, values, float_values=float_values)) for k, v in x.items()))
+        for k in x:
+            if type(k) not in _SCALARS:
+                raise _NotComparable
+        return (kind, tuple([(k, _signature(v, values, float_values=float_values)) for k, v in x.items()]))
     values.append(x)  # a configuration, a cache, a function: the same object only
     return ("object", id(x))
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, Tensor):
-        return isinstance(b, Tensor) and torch.equal(a, b)
-    return a is b
+def _all_same(seen: list, values: list) -> bool:
+    """Every value the same: tensors equal in value, other objects the same object."""
+    if len(seen) != len(values):
+        return False
+    for a, b in zip(seen, values, strict=True):
+        if isinstance(a, Tensor):
+            if not (isinstance(b, Tensor) and torch.equal(a, b)):
+                return False
+        elif a is not b:
+            return False
+    return True
 
 
 class RuleChecks:
@@ -104,28 +112,33 @@ class RuleChecks:
         module = entry.module
         if entry.match is None or not entry.match.exact or rule is not entry.match.rule:
             return None
-        if module._modules or "forward" in vars(module) or any(getattr(module, h, None) for h in _HOOK_DICTS):
+        attrs = vars(module)
+        if module._modules or "forward" in attrs:
             return None
+        for h in _HOOK_DICTS:
+            if getattr(module, h, None):
+                return None
         values: list = []
         try:
-            state = tuple(
-                (k, _signature(v, values, float_values=True))
-                for k, v in vars(module).items()
-                if k not in _MODULE_INTERNALS
-            )
+            state = []
+            for k, v in attrs.items():
+                if k not in _MODULE_INTERNALS:
+                    kind = type(v)  # a scalar as `_signature` describes it, without the call
+                    state.append((k, (kind, v) if kind in _SCALARS else _signature(v, values, float_values=True)))
             covered = {id(p) for p in entry.params}
-            params = tuple(
+            params = [
                 (n, None if p is None else (tuple(p.shape), p.dtype, p.device, p.requires_grad, id(p) in covered))
                 for n, p in module._parameters.items()
-            )
-            buffers = tuple((n, _signature(b, values, float_values=True)) for n, b in module._buffers.items())
+            ]
+            buffers = [(n, _signature(b, values, float_values=True)) for n, b in module._buffers.items()]
             inputs = _signature((call.args, call.kwargs), values, float_values=False)
             output = _signature(call.output, [], float_values=False)
         except _NotComparable:
             return None
         scale = rule.scale if isinstance(rule, ScaledRule) else None
         base = id(rule.base) if isinstance(rule, ScaledRule) else id(rule)
-        key = (type(rule), base, scale, type(module), state, params, buffers, inputs, output, call.autocast, layout)
+        key = (type(rule), base, scale, type(module), tuple(state), tuple(params), tuple(buffers), inputs, output)
+        key += (call.autocast, layout)
         try:
             hash(key)
         except TypeError:
@@ -138,7 +151,7 @@ class RuleChecks:
         if found is not None:
             key, values = found
             for seen, problem in self._done.get(key, ()):
-                if len(seen) == len(values) and all(_same(a, b) for a, b in zip(seen, values, strict=True)):
+                if _all_same(seen, values):
                     self.shared += 1
                     return problem
         problem, closeness = measure_disagreement(entry, rule, call, layout, self._noise)

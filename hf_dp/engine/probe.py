@@ -395,7 +395,8 @@ def infer_layout(one, two, sizes: tuple[int, int] = (1, 2)):
                 continue
             k = s1[d] // a
             # example 0 is the last block of rows in both runs
-            return Layout(d) if same_values(two.narrow(d, (b - 1) * k, k), one.narrow(d, (a - 1) * k, k)) else MIXED
+            mine = one if a == 1 else one.narrow(d, (a - 1) * k, k)  # (all of `one` for a run on one example)
+            return Layout(d) if same_values(two.narrow(d, (b - 1) * k, k), mine) else MIXED
     if s1 == s2:
         if not same_values(one, two):
             return MIXED
@@ -408,7 +409,8 @@ def same_values(a: Tensor, b: Tensor) -> bool:
     to the largest magnitude) for floats, with infinities and NaNs in the same places."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    a, b = a.detach(), b.detach()  # a forward hook may make a probe output require grad (enable_input_require_grads)
+    # a forward hook may make a probe output require grad (enable_input_require_grads)
+    a, b = (a.detach() if a.requires_grad else a), (b.detach() if b.requires_grad else b)
     if not (a.is_floating_point() or a.is_complex()):
         return bool(torch.equal(a, b))
     if a.numel() == 0 or torch.equal(a, b):  # equal (no NaN): within any tolerance

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from ..layers import ScaledRule, UnsupportedModuleError
 from .batch import RootBatch, check_bags, describe, slice_batch
@@ -26,7 +27,7 @@ from .coverage import HookedModule
 from .module_state import kept_state
 from .planner import CallLayout, Plan, build_plan, expansion_changes_output, fits, needs_third_run
 from .probe import Prober, frozen_rng, probe_mode, run_expanded, run_probe
-from .shared_outputs import copied_calls
+from .shared_outputs import CopyTaint, copied_calls
 from .state import expand_output
 
 logger = logging.getLogger("hf_dp.engine.clipper")
@@ -115,15 +116,20 @@ class PlanProof:
             yield
 
     def _prove_expansions(self, plan: Plan, args, kwargs, batch: RootBatch, pair: list[int], two, params) -> None:
-        """Defer the proven ``[1, ...]`` outputs that reach the model's output through the model's own copies of them
-        along the batch alone (a prompt computed once and repeated, which an expansion would copy ``B`` times; the
-        model computes as it would without hf_dp: :mod:`.shared_outputs`); expand the others to the batch if the
-        model's output stays the same with them expanded (HF position embeddings added to the batch), else refuse."""
+        """Expand the proven ``[1, ...]`` outputs to the batch if the model's output stays the same with them all
+        expanded (HF position embeddings added to the batch: one run). Else defer those that reach the model's output
+        through the model's own copies of them along the batch alone (a prompt computed once and repeated, which an
+        expansion would copy ``B`` times; the model computes as it would without hf_dp: :mod:`.shared_outputs`), and
+        expand the others if the model's output stays the same with them expanded; else refuse. (Either way, the
+        first batch's support check then proves that each example's loss reads its own rows alone.)"""
         by_id = {id(e): e for e in plan.hooked}
         expanding = [(key, layout) for key, layouts in plan.calls.items() for layout in layouts if layout.expand]
         if not expanding:
             return
         sub = slice_batch(args, kwargs, batch, pair)
+        taint = CopyTaint()
+        if self._expansions_hold(plan, expanding, sub, two, by_id, taint) and not taint.copied:
+            return
         calls = {(id(by_id[e].module), ordinal): layout.expand for (e, ordinal), layout in expanding}
         copied = copied_calls(self.model, sub, calls)
         kept = [((e, ordinal), lay) for (e, ordinal), lay in expanding if (id(by_id[e].module), ordinal) not in copied]
@@ -147,9 +153,12 @@ class PlanProof:
             "parameters."
         )
 
-    def _expansions_hold(self, plan: Plan, expanding: list, sub: tuple, two, by_id: dict) -> bool:
+    def _expansions_hold(
+        self, plan: Plan, expanding: list, sub: tuple, two, by_id: dict, taint: CopyTaint | None = None
+    ) -> bool:
         """Whether some choice of rows per example for the ``expanding`` calls' ``[1, ...]`` outputs (the others
-        left as they are) leaves the model's output on the probe unchanged (their layouts are left at that choice)."""
+        left as they are) leaves the model's output on the probe unchanged (their layouts are left at that choice).
+        ``taint``: watches the runs for copies of the expanded outputs (its ``copied`` is that of the last run)."""
         if not expanding:
             return True
         # Expand [1, ...] outputs to `repeat` rows per example: 1, else the rows per example the model runs on
@@ -168,14 +177,19 @@ class PlanProof:
                     replace(x, repeat=repeat) if j in layout.expand else x for j, x in enumerate(layout.outputs)
                 ]
                 expand[(id(by_id[entry_id].module), ordinal)] = [(j, repeat) for j in layout.expand]
+            hook = functools.partial(expand_output, expand, 2)
+            if taint is not None:
+                taint.reset()  # this run's copies only
+                hook = functools.partial(_tainted_output, hook, taint)
             try:
-                expanded = run_expanded(
-                    self.model,
-                    *sub,
-                    [by_id[entry_id].module for (entry_id, _), _ in expanding],
-                    functools.partial(expand_output, expand, 2),
-                    in_eval_mode=True,  # inside `_make_plan`'s
-                )
+                with taint if taint is not None else contextlib.nullcontext():
+                    expanded = run_expanded(
+                        self.model,
+                        *sub,
+                        [by_id[entry_id].module for (entry_id, _), _ in expanding],
+                        hook,
+                        in_eval_mode=True,  # inside `_make_plan`'s
+                    )
                 changed = expansion_changes_output(two.output, expanded)
             except Exception:  # noqa: BLE001  (the model cannot take the expanded tensor)
                 changed = True
@@ -281,6 +295,14 @@ def _entry_key(entry: HookedModule) -> tuple:
     rule = entry.rule
     scale = round(rule.scale, 9) if isinstance(rule, ScaledRule) else None
     return (id(entry.module), entry.name, type(rule).__name__, scale, frozenset(id(q) for q in entry.params))
+
+
+def _tainted_output(hook, taint: CopyTaint, record, output):
+    """``hook``'s replacement of a call's output, its tensors tainted (:class:`~.shared_outputs.CopyTaint`)."""
+    replaced = hook(record, output)
+    if replaced is not None:
+        taint.taint(t for t in tree_flatten(replaced)[0] if isinstance(t, Tensor))
+    return replaced
 
 
 def _kind(x) -> tuple | None:

@@ -22,6 +22,12 @@ from .rows import closed_form_grads
 
 __all__ = ["measure_disagreement", "rule_disagreement"]
 
+#: The mismatch reported when autograd's own gradient on the probe's example is not finite: nothing to compare with.
+_NOT_FINITE = (
+    "autograd's own gradient of the module on the probe's example is not finite (it overflows in this precision), so "
+    "the rule cannot be checked against it"
+)
+
 
 def _random_like(t: Tensor, seed: int) -> Tensor:
     g = torch.Generator(device=t.device).manual_seed(seed)
@@ -107,19 +113,22 @@ def _worst_margin(named: dict, values: dict, computed: list) -> tuple[str | None
         total += x * x
     scale = float(total**0.5) or 1.0
     floor = max([tolerance(dtype) for dtype in computed], default=0.0)
+    if not math.isfinite(scale):
+        return _NOT_FINITE, float("inf")
     worst = 0.0
     for name, p in named.items():
         tol = max(tolerance(p.dtype), floor)
         expected_norm, err, norm = values[p]
         if err is None:
-            if expected_norm > tol * scale:
+            if not expected_norm <= tol * scale:
                 return f"it gives no gradient for `{name}`", float("inf")
             worst = max(worst, expected_norm / (tol * scale))
             continue
+        # (`not x <= t`: a NaN difference is a mismatch, not a pass)
         threshold = tol * max(expected_norm, 1e-3 * scale)
-        if err > threshold:
+        if not err <= threshold:
             return f"its gradient of `{name}` is off by {err / max(expected_norm, 1e-30):.2e} (relative)", float("inf")
-        if abs(norm - expected_norm) > threshold:
+        if not abs(norm - expected_norm) <= threshold:
             return f"its per-example norm of `{name}` is {norm:.6g}, autograd's {expected_norm:.6g}", float("inf")
         worst = max(worst, err / threshold, abs(norm - expected_norm) / threshold)
     return None, worst
@@ -196,19 +205,21 @@ def _compare_in_order(named: dict, ref: dict, grads: dict, computed: list) -> st
     """The comparison of :func:`rule_disagreement`, one parameter after the other (a rule whose gradients could not
     be compared all at once: the first problem in order, or its error)."""
     scale = float(sum(r.double().pow(2).sum() for r in ref.values()) ** 0.5) or 1.0
+    if not math.isfinite(scale):
+        return _NOT_FINITE
     for name, p in named.items():
         tol = max(tolerance(dtype) for dtype in (p.dtype, *computed))
         expected = ref[p].double()
         got = grads.get(p)
         if got is None:
-            if float(expected.norm()) > tol * scale:
+            if not float(expected.norm()) <= tol * scale:
                 return f"it gives no gradient for `{name}`"
             continue
         dense = instantiate(got, compute_dtype(p.dtype)).value[0].double()
         err = float((dense - expected).norm())
-        if err > tol * max(float(expected.norm()), 1e-3 * scale):
+        if not err <= tol * max(float(expected.norm()), 1e-3 * scale):
             return f"its gradient of `{name}` is off by {err / max(float(expected.norm()), 1e-30):.2e} (relative)"
         norm = float(norm_sq(got, torch.float64)[0].sqrt())
-        if abs(norm - float(expected.norm())) > tol * max(float(expected.norm()), 1e-3 * scale):
+        if not abs(norm - float(expected.norm())) <= tol * max(float(expected.norm()), 1e-3 * scale):
             return f"its per-example norm of `{name}` is {norm:.6g}, autograd's {float(expected.norm()):.6g}"
     return None

@@ -26,6 +26,7 @@ output, from that output to the end of the forward pass.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -38,7 +39,7 @@ from .checkpointing import graph_task_id
 from .probe import run_expanded, tolerance
 from .state import Use
 
-__all__ = ["BatchCopy", "SharedOutputs", "batch_copy", "copied_calls"]
+__all__ = ["BatchCopy", "CopyTaint", "SharedOutputs", "batch_copy", "copied_calls"]
 
 #: The torch functions that copy a tensor along a new or size-1 dimension 0: how each names its sizes.
 _REPEATS = {torch.Tensor.repeat: "repeats", torch.Tensor.tile: "dims", torch.tile: "dims"}
@@ -143,6 +144,66 @@ class _CopyWatcher(TorchFunctionMode):
         out = func(*args, **kwargs)
         if func in COPY_FUNCTIONS and not self.paused:
             self.on_copy(func, args, kwargs, out)
+        return out
+
+
+class CopyTaint(TorchFunctionMode):
+    """Whether a run copies along the batch (a :data:`COPY_FUNCTIONS` call: :attr:`copied`) a tensor computed from
+    the tensors given to :meth:`taint`. A tensor is tainted if some torch function returned it from a tainted argument
+    (top level, or in a top-level list or tuple), with a view's base. The proof expands the ``[1, ...]`` outputs to
+    the batch first and keeps that only if no expanded output is also copied (:meth:`~.proof.PlanProof.
+    _prove_expansions`); a copy missed here leaves the expansion to the first batch's support check."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._marks: dict[int, weakref.ref] = {}
+        self.copied = False
+
+    def reset(self) -> None:
+        """Forget the marks and copies of an earlier run."""
+        self._marks, self.copied = {}, False
+
+    def taint(self, tensors) -> None:
+        for t in tensors:
+            self._mark(t)
+
+    def _mark(self, t: Tensor) -> None:
+        self._marks[id(t)] = weakref.ref(t)
+        base = t._base
+        if base is not None:
+            self._marks[id(base)] = weakref.ref(base)
+
+    def _has(self, t: Tensor) -> bool:
+        marks = self._marks
+        ref = marks.get(id(t))
+        if ref is not None and ref() is t:
+            return True
+        base = t._base
+        ref = marks.get(id(base)) if base is not None else None
+        return ref is not None and ref() is base
+
+    def _any_tainted(self, args: tuple) -> bool:
+        """Whether some tensor of ``args`` (top level, or in a top-level list or tuple) is tainted."""
+        for x in args:
+            if isinstance(x, Tensor):
+                if self._has(x):
+                    return True
+            elif isinstance(x, list | tuple):
+                for y in x:
+                    if isinstance(y, Tensor) and self._has(y):
+                        return True
+        return False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if self._any_tainted(args) or (kwargs and self._any_tainted(tuple(kwargs.values()))):
+            self.copied = self.copied or func in COPY_FUNCTIONS
+            if isinstance(out, Tensor):
+                self._mark(out)
+            elif isinstance(out, list | tuple):
+                for t in out:
+                    if isinstance(t, Tensor):
+                        self._mark(t)
         return out
 
 

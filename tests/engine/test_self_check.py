@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hf_dp import BookKeepingClipper, UnsupportedModuleError
-from hf_dp.engine import SelfCheckError
+from hf_dp.engine import SelfCheckError, rule_check
 from hf_dp.layers import RULES as LAYER_RULES
 from hf_dp.layers import LayerRule, register_rule
 from hf_dp.layers.grads import FactoredGrad, InstantiatedGrad
@@ -114,6 +114,34 @@ def test_a_rule_wrong_for_one_example_is_caught_when_planning(float64, broken_li
     model = _Net().double()
     clipper = BookKeepingClipper(model, max_grad_norm=1.0)
     with pytest.raises(SelfCheckError, match=r"DoubledLinearRule.*`fc`.*`weight`"):
+        clipper.self_check(_batch(), _net_loss)
+    clipper.remove()
+
+
+@pytest.mark.parametrize("where", ["gradient", "norm"])
+def test_a_rule_giving_nan_is_caught_when_planning(float64, broken_linear_rule, monkeypatch, where):
+    """A NaN in a rule's gradient (or in its ghost norm alone) makes every comparison with autograd false: it must
+    count as a mismatch, not as a pass (nor be shared with the other linear layers)."""
+
+    class NanLinearRule(LinearRule):
+        def per_example_grads(self, module, captured, grad_output, trainable):
+            grads = super().per_example_grads(module, captured, grad_output, trainable)
+            if where == "gradient":
+                grads[module.bias] = InstantiatedGrad(torch.full_like(grads[module.bias].value, float("nan")))
+            return grads
+
+    broken_linear_rule(NanLinearRule)
+    if where == "norm":  # the ghost norms of factored gradients are NaN (the embedding's first); their values are right
+        real_norm_sq = rule_check.norm_sq
+
+        def nan_norm_sq(g, dtype, **kwargs):
+            out = real_norm_sq(g, dtype, **kwargs)
+            return out * float("nan") if isinstance(g, FactoredGrad) else out
+
+        monkeypatch.setattr(rule_check, "norm_sq", nan_norm_sq)
+    clipper = BookKeepingClipper(_Net().double(), max_grad_norm=1.0)
+    message = r"NanLinearRule.*`fc`.*`bias` is off by nan" if where == "gradient" else r"norm of `weight` is nan"
+    with pytest.raises(SelfCheckError, match=message):
         clipper.self_check(_batch(), _net_loss)
     clipper.remove()
 

@@ -197,6 +197,43 @@ def test_any_output_copied_along_the_batch_is_exact(float64, how, mlp, mode):
     assert clipper.rules_used["prompt"] == "EmbeddingRule"
 
 
+class AddedPositions(nn.Module):
+    """A ``[1, T, D]`` position table computed once and added to the batch (HF's position embeddings), or (``copied``)
+    first copied along the batch by ``expand``."""
+
+    def __init__(self, copied: bool = False):
+        super().__init__()
+        self.copied = copied
+        self.pos = nn.Embedding(6, D)
+        self.tok = nn.Embedding(7, D)
+        self.head = nn.Linear(D, 2)
+
+    def forward(self, x):
+        p = self.pos(torch.arange(x.shape[1]).unsqueeze(0))
+        h = self.tok(x) + (p.expand(x.shape[0], -1, -1) if self.copied else p)
+        return self.head(torch.tanh(h)).sum(1)
+
+
+@pytest.mark.parametrize("copied", [False, True], ids=["added", "copied"])
+def test_a_table_added_to_the_batch_is_expanded_after_one_run(float64, monkeypatch, copied):
+    """The proof expands ``[1, ...]`` outputs first: one run with them expanded, watched for copies of them along the
+    batch. A table added to the batch is expanded with no search for copies; one the model copies (by a view,
+    ``expand``) is searched for copies and deferred, as before. Exact either way."""
+    import hf_dp.engine.proof as proof
+
+    searched, plans = [], []
+    real_search, real_prove = proof.copied_calls, proof.PlanProof._prove_expansions
+    monkeypatch.setattr(proof, "copied_calls", lambda *a: searched.append(1) or real_search(*a))
+    monkeypatch.setattr(
+        proof.PlanProof, "_prove_expansions", lambda self, plan, *a: plans.append(plan) or real_prove(self, plan, *a)
+    )
+    torch.manual_seed(0)
+    check_clipper(AddedPositions(copied), _toy_batches((4, 5), (3, 3)), _toy_loss, mode="bk-mixopt")
+    assert len(plans) == 1 and len(searched) == int(copied)
+    deferred = [layout.deferred for layouts in plans[0].calls.values() for layout in layouts if layout.expand]
+    assert deferred == [copied]
+
+
 @pytest.mark.parametrize("mode", ["bk", "ghost"])
 def test_copies_of_several_rows_per_example(float64, mode):
     """[B, choices, T] run as [B * choices, T] rows: the prompt copied to every row, ``choices`` rows per example."""

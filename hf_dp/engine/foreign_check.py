@@ -11,6 +11,7 @@ masks).
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -47,9 +48,12 @@ def foreign_disagreement(entry: HookedModule, rule: LayerRule, call: CallRecord,
             scale = float(expected.norm())
             tol = max(tolerance(p.dtype), tolerance(out.dtype)) * max(scale, 1e-12)
             err = float((dense - expected).norm())
-            if err > tol:
+            if not math.isfinite(scale):  # autograd's own gradient overflowed: nothing to compare with
+                return "autograd's own gradient on the probe's example is not finite, so the rule cannot be checked"
+            # (`not x <= tol`: a NaN in the rule's gradient or norm is a mismatch, not a pass)
+            if not err <= tol:
                 return f"its gradient is off by {err:.3e} (autograd's norm {scale:.3e})"
-            if abs(float(norm_sq(got, torch.float64)[0].sqrt()) - scale) > tol:
+            if not abs(float(norm_sq(got, torch.float64)[0].sqrt()) - scale) <= tol:
                 return "its per-example norm differs from autograd's"
     return None
 

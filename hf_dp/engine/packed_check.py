@@ -14,6 +14,7 @@ their row (they have others before them to see), then the others. The tolerances
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -130,7 +131,8 @@ def _compare_losses(packed: Tensor, chosen: list[int], alone: list[float], toler
     """Each checked sequence's loss in its packed row must be its loss alone (else it sees other sequences)."""
     for s, solo in zip(chosen, alone, strict=True):
         got = float(packed[s].double())
-        if abs(got - solo) > tolerance * max(abs(solo), 1e-12):
+        # (a NaN loss in the packed row against a finite one alone is a failure, not a pass)
+        if not abs(got - solo) <= tolerance * max(abs(solo), 1e-12) and math.isfinite(solo):
             raise SelfCheckError(
                 f"Self-check failed (packed sequences): the loss of sequence {s} in its packed row is {got:.8g}, "
                 f"alone {solo:.8g}. The model does not treat the sequences of a packed row as separate sequences "

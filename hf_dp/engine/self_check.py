@@ -29,6 +29,7 @@ bfloat16 and float16 ``5e-2`` (a few units of an 8- or 11-bit mantissa); of the 
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Callable
 
@@ -281,7 +282,8 @@ def _compare(engine, reference, trainable, names, tolerances, where: str) -> flo
             got = float(engine[p][i]) if p in engine else 0.0
             diff = abs(got - ref[p])
             worst = max(worst, diff / scale)
-            if diff > min(tol * scale, max(own_tol * ref[p], floor * scale)):
+            # (`not diff <= bound`: an engine norm of NaN against a finite autograd norm is a failure, not a pass)
+            if not diff <= min(tol * scale, max(own_tol * ref[p], floor * scale)) and math.isfinite(ref[p]):
                 own = max(ref[p], floor * scale)
                 problems.append((diff / own, f"`{names[p]}` (example {i}: engine {got:.6g}, autograd {ref[p]:.6g})"))
     if problems:

@@ -344,3 +344,17 @@ def test_packed_loss_is_each_sequence_alone():
         alone = torch.cat([alone_loss(model, {"input_ids": seqs[i][None]}) for row in ROWS for i in row])
         for trl_labels in (True, False):
             torch.testing.assert_close(packed_loss(model, pack(seqs, ROWS, trl_labels=trl_labels)), alone)
+
+
+def test_a_nan_loss_in_a_packed_row_fails_the_loss_comparison():
+    """The packed self-check's loss comparison: a sequence's loss of NaN in its packed row against a finite loss alone
+    is a failure (every comparison with NaN is false), and so is any other difference past the tolerance; a loss that
+    is not finite alone leaves nothing to compare."""
+    from hf_dp.engine.packed_check import _compare_losses
+    from hf_dp.engine.self_check import SelfCheckError
+
+    _compare_losses(torch.tensor([1.0, 2.0]), [0, 1], [1.0, 2.0], 1e-6)
+    _compare_losses(torch.tensor([1.0, float("nan")]), [0, 1], [1.0, float("nan")], 1e-6)
+    for packed in ([1.0, float("nan")], [1.0, 2.5]):
+        with pytest.raises(SelfCheckError, match="the loss of sequence 1 in its packed row"):
+            _compare_losses(torch.tensor(packed), [0, 1], [1.0, 2.0], 1e-6)

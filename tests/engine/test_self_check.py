@@ -100,6 +100,24 @@ def test_catches_a_rule_that_mixes_examples(float64, broken_linear_rule):
     clipper.remove()
 
 
+def test_catches_a_rule_giving_nan_on_a_batch(float64, broken_linear_rule):
+    """A rule right for one example (so its check when planning passes) whose per-example norms are NaN on a batch:
+    the self-check's comparison with autograd must fail on the NaN, not pass it."""
+
+    class NanOnBatchLinearRule(LinearRule):
+        def per_example_grads(self, module, captured, grad_output, trainable):
+            grads = super().per_example_grads(module, captured, grad_output, trainable)
+            if grad_output.shape[0] > 1:
+                grads[module.bias] = InstantiatedGrad(torch.full_like(grads[module.bias].value, float("nan")))
+            return grads
+
+    broken_linear_rule(NanOnBatchLinearRule)
+    clipper = BookKeepingClipper(_Net().double(), max_grad_norm=1.0)
+    with pytest.raises(SelfCheckError, match=r"`(fc|out)\.bias` \(example 0: engine nan"):
+        clipper.self_check(_batch(), _net_loss)
+    clipper.remove()
+
+
 def test_a_rule_wrong_for_one_example_is_caught_when_planning(float64, broken_linear_rule):
     class DoubledLinearRule(LayerRule):
         def per_example_grads(self, module, captured, grad_output, trainable):

@@ -379,3 +379,27 @@ def test_an_instance_method_of_the_owner_is_restored(float64):
     assert calls and model.masked_spec_embed.grad is not None
     clipper.remove()
     assert model._mask_hidden_states is patched and CHILD not in model._modules
+
+
+@pytest.mark.parametrize("where", ["gradient", "norm"])
+def test_a_nan_from_the_mask_embedding_rule_is_a_mismatch(float64, monkeypatch, where):
+    """The check of the mask embedding's rule against autograd (the rule covers a parameter its module does not own):
+    a NaN in the rule's gradient or in its ghost norm makes every comparison false, and must count as a mismatch."""
+    import hf_dp.engine.foreign_check as foreign_check
+    from hf_dp.engine import SelfCheckError
+    from hf_dp.layers.grads import InstantiatedGrad
+
+    if where == "gradient":
+        real = foreign_check.instantiate
+        monkeypatch.setattr(
+            foreign_check, "instantiate", lambda g, dtype: InstantiatedGrad(real(g, dtype).value * float("nan"))
+        )
+    else:
+        real = foreign_check.norm_sq
+        monkeypatch.setattr(foreign_check, "norm_sq", lambda g, dtype: real(g, dtype) * float("nan"))
+    torch.manual_seed(0)
+    model = wav2vec2("ctc").eval()
+    clipper = BookKeepingClipper(model, max_grad_norm=1.0)
+    with pytest.raises(SelfCheckError, match="disagrees with autograd"):
+        speech_loss("ctc")(model, audio_batch(mask=True))
+    clipper.remove()

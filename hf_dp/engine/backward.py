@@ -7,6 +7,7 @@ seen, and what is left after the backward pass: :mod:`.clipping`.)
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -387,8 +388,9 @@ class BackwardBookkeeping:
                 continue
             expected = torch.zeros_like(got) if expected is None else expected.double()
             got = torch.zeros_like(expected) if got is None else got
-            scale = max(float(expected.norm()), floor)
-            if float((got - expected).norm()) > 1e-3 * max(scale, 1e-12) and float((got - expected).norm()) > 1e-30:
+            scale, diff = max(float(expected.norm()), floor), float((got - expected).norm())
+            # (`not diff <= ...`: a NaN in the engine's sum against autograd's finite gradient fails, not passes)
+            if not (diff <= 1e-3 * max(scale, 1e-12) or diff <= 1e-30) and math.isfinite(scale):
                 raise UnsupportedModuleError(
                     f"Trainable parameter `{param_names.get(q, '?')}` gets a gradient that no hooked module accounts "
                     "for (it is used outside the model's forward pass, e.g. in the loss, or recomputed by a checkpoint "

@@ -116,6 +116,12 @@ def test_catches_a_rule_giving_nan_on_a_batch(float64, broken_linear_rule):
     with pytest.raises(SelfCheckError, match=r"`(fc|out)\.bias` \(example 0: engine nan"):
         clipper.self_check(_batch(), _net_loss)
     clipper.remove()
+    # ghost mode's own check of the first batch (the engine's sum of per-example gradients against autograd's)
+    model = _Net().double()
+    clipper = BookKeepingClipper(model, max_grad_norm=1.0, mode="ghost")
+    with pytest.raises(UnsupportedModuleError, match=r"`(fc|out)\.bias` gets a gradient"):
+        clipper.backward(_net_loss(model, _batch()))
+    clipper.remove()
 
 
 def test_a_rule_wrong_for_one_example_is_caught_when_planning(float64, broken_linear_rule):

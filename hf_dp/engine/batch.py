@@ -30,7 +30,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..layers import UnsupportedModuleError
 
-__all__ = ["RootBatch", "check_bags", "describe", "root_batch", "slice_batch"]
+__all__ = ["LEAF_TYPES", "RootBatch", "check_bags", "describe", "root_batch", "slice_batch"]
+
+#: Types that ``tree_flatten`` keeps whole (pytree leaves).
+LEAF_TYPES = frozenset({Tensor, nn.Parameter, int, float, bool, str, type(None), torch.dtype, torch.device})
 
 #: Keyword inputs whose first dimension is the batch, in order of preference.
 BATCH_KWARGS = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features", "decoder_input_ids")
@@ -203,21 +206,13 @@ def _cut(leaves: list, bags: _Bags) -> list[tuple[int, int]]:
     return bounds
 
 
-#: Types that ``tree_flatten`` keeps whole (leaves).
-_LEAF_TYPES = frozenset({Tensor, nn.Parameter, int, float, bool, str, type(None), torch.dtype, torch.device})
-
-
 def slice_batch(args: tuple, kwargs: dict, batch: RootBatch, index: list[int]) -> tuple[tuple, dict]:
     """``(args, kwargs)`` restricted to the examples ``index`` (in that order; repeats allowed).
 
     Every tensor whose first dimension is the batch is indexed along it; bags are cut out of the flat input (and its
     per-sample weights) and get new offsets; everything else is passed unchanged.
     """
-    if (
-        not batch.bags
-        and _LEAF_TYPES.issuperset(map(type, args))
-        and _LEAF_TYPES.issuperset(map(type, kwargs.values()))
-    ):
+    if not batch.bags and LEAF_TYPES.issuperset(map(type, args)) and LEAF_TYPES.issuperset(map(type, kwargs.values())):
         # every input a leaf (the common call): what the general path below does, without flattening
         rows: dict = {}  # device -> the index, made once per device
         new_args = tuple([_rows_of(x, batch.size, index, rows) for x in args])

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..layers import Layout
 from ..layers.base import autocast_state
+from .batch import LEAF_TYPES
 from .probe_modes import eval_mode, frozen_rng, probe_mode
 from .routing import RowTracker
 
@@ -133,15 +134,11 @@ def _is_packed(x) -> bool:
     return isinstance(x, PackedSequence)
 
 
-#: Types that are pytree leaves themselves (``tree_flatten`` keeps them whole).
-_LEAF_TYPES = frozenset({Tensor, nn.Parameter, int, float, bool, str, type(None), torch.dtype, torch.device})
-
-
 def _leaves(x, out: list) -> None:
     """Append the leaves of ``x`` in ``tree_flatten`` order (``PackedSequence`` a leaf): plain tuples, lists and
     dicts are walked here, every other type is handed to ``tree_leaves`` (same leaves, same order)."""
     kind = type(x)
-    if kind in _LEAF_TYPES:
+    if kind in LEAF_TYPES:
         out.append(x)
     elif kind is tuple or kind is list:
         for y in x:
@@ -155,7 +152,7 @@ def _leaves(x, out: list) -> None:
 
 def flatten_call(args: tuple, kwargs: dict) -> list:
     """The leaves of a call's ``(args, kwargs)``, as ``tree_flatten((tuple(args), dict(kwargs)))`` lists them."""
-    if _LEAF_TYPES.issuperset(map(type, args)):  # every argument a leaf (the common call)
+    if LEAF_TYPES.issuperset(map(type, args)):  # every argument a leaf (the common call)
         leaves = list(args)
     else:
         leaves = []
@@ -163,7 +160,7 @@ def flatten_call(args: tuple, kwargs: dict) -> list:
             _leaves(x, leaves)
     if kwargs:
         values = kwargs.values()
-        if _LEAF_TYPES.issuperset(map(type, values)):
+        if LEAF_TYPES.issuperset(map(type, values)):
             leaves += values
         else:
             for x in values:
@@ -173,7 +170,7 @@ def flatten_call(args: tuple, kwargs: dict) -> list:
 
 def flatten_output(output) -> list:
     """The leaves of a call's output, as ``tree_flatten(output)`` lists them."""
-    if type(output) in _LEAF_TYPES:
+    if type(output) in LEAF_TYPES:
         return [output]
     leaves: list = []
     _leaves(output, leaves)
@@ -224,12 +221,10 @@ class Prober:
         self._output_hook: Callable[[CallRecord, Any], Any] | None = None
         self._rows: RowTracker | None = None
         self._routing = False  # an earlier run found routed calls: the later runs track rows too
-        self._listed: list[nn.Module] | None = None  # modules() as listed on entry, until a run starts
 
     def __enter__(self) -> Prober:
         handles, pre, post = self.handles, self._pre, self._post
-        self._listed = list(self.model.modules())
-        for module in self._listed:
+        for module in self.model.modules():
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True, prepend=True))
         return self
@@ -237,7 +232,7 @@ class Prober:
     def __exit__(self, *exc) -> None:
         for handle in self.handles:
             handle.remove()
-        self.handles, self._listed = [], None
+        self.handles = []
 
     def _pre(self, module, args, kwargs):
         calls = self._calls
@@ -266,7 +261,7 @@ class Prober:
             if replaced is not None:
                 output = replaced
         record.output = output
-        record.out_leaves = [output] if type(output) in _LEAF_TYPES else flatten_output(output)
+        record.out_leaves = flatten_output(output)
         if self._rows is not None:
             self._rows.leave(record.index, record.out_leaves)
         return output
@@ -299,8 +294,7 @@ class Prober:
         self._output_hook = output_hook
         recorded = self._uses
         track = (uses or self._routing) if rows is None else rows
-        listed, self._listed = self._listed, None  # the modules of the first run after entering, as listed then
-        tracker = self._rows = RowTracker.for_model(self.model, listed) if track else None
+        tracker = self._rows = RowTracker.for_model(self.model) if track else None
         observer = None if tracker is None else tracker.observe
         try:
             recorder = UseRecorder(params if uses else {}, self._on_use, observer=observer)

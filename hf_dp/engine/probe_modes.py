@@ -12,32 +12,6 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["eval_mode", "frozen_rng", "probe_mode"]
 
-_SETATTR = nn.Module.__setattr__
-_plain_classes: dict[type, bool] = {}
-
-
-def _plain_class(cls: type) -> bool:
-    """Whether ``module.training = flag`` on a ``cls`` is ``nn.Module.__setattr__``'s plain attribute write, the
-    ``object.__setattr__`` it ends in (no class of ``cls``'s MRO but ``nn.Module`` and ``object`` has its own)."""
-    plain = _plain_classes.get(cls)
-    if plain is None:
-        plain = _plain_classes[cls] = cls.__setattr__ is _SETATTR and not any(
-            "__setattr__" in c.__dict__ for c in cls.__mro__ if c is not nn.Module and c is not object
-        )
-    return plain
-
-
-def _set_training(module: nn.Module, flag: bool) -> None:
-    """``module.training = flag``; for a plain class (:func:`_plain_class`) without a parameter, submodule or
-    buffer named ``training`` (whose assignment ``nn.Module.__setattr__`` handles otherwise) as the
-    ``object.__setattr__`` that assignment ends in."""
-    if _plain_class(type(module)) and not (
-        "training" in module._parameters or "training" in module._modules or "training" in module._buffers
-    ):
-        object.__setattr__(module, "training", flag)
-    else:
-        module.training = flag
-
 
 @contextlib.contextmanager
 def eval_mode(model: nn.Module, modules: Iterable[nn.Module] | None = None):
@@ -49,7 +23,7 @@ def eval_mode(model: nn.Module, modules: Iterable[nn.Module] | None = None):
         yield
     finally:
         for m, flag in flags:
-            _set_training(m, flag)
+            m.training = flag
 
 
 #: Torch functions that drop entries at random in training mode: the identity in a training-like probe.

@@ -16,7 +16,6 @@ import functools
 import logging
 from dataclasses import replace
 
-import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
@@ -31,9 +30,6 @@ from .shared_outputs import CopyTaint, copied_calls
 from .state import expand_output
 
 logger = logging.getLogger("hf_dp.engine.clipper")
-
-#: ``nn.Module``'s methods behind ``parameters()``.
-_PARAMETERS = ("parameters", "named_parameters", "_named_members", "named_modules", "modules")
 
 __all__ = ["PlanProof"]
 
@@ -108,8 +104,8 @@ class PlanProof:
         model = self.model
         with (
             self._inert(),
-            kept_state(model) as modules,  # listed on entry: for the devices and the flags eval mode puts back
-            frozen_rng(_devices(model, modules)),
+            kept_state(model) as modules,  # listed on entry: for the flags eval mode puts back
+            frozen_rng(sorted({p.device for p in model.parameters()}, key=str)),
             own_saved_tensors(),
             probe_mode(model, training_like, modules),
         ):
@@ -307,15 +303,6 @@ def _tainted_output(hook, taint: CopyTaint, record, output):
 
 def _kind(x) -> tuple | None:
     return (x.dim(), x.dtype) if isinstance(x, Tensor) else None
-
-
-def _devices(model: nn.Module, modules: list[nn.Module]) -> list[torch.device]:
-    """The devices of ``model``'s parameters; ``modules``: its ``modules()``, whose own parameters are those
-    ``parameters()`` yields unless the model's class reads them otherwise."""
-    kind = type(model)
-    if any(getattr(kind, name) is not getattr(nn.Module, name) for name in _PARAMETERS):
-        return sorted({p.device for p in model.parameters()}, key=str)
-    return sorted({p.device for m in modules for p in m._parameters.values() if p is not None}, key=str)
 
 
 def _same_structure(call, in_leaves, out_leaves, fallback: bool) -> bool:

@@ -95,8 +95,6 @@ def _arg(args: tuple, kwargs: dict | None, position: int, name: str, default: An
 
 
 _SEQUENCES = (list, tuple)
-#: ``nn.Module``'s methods behind ``parameters()`` and ``buffers()``.
-_MEMBERS = ("parameters", "named_parameters", "buffers", "named_buffers", "_named_members", "named_modules", "modules")
 
 
 def _tensors(args: tuple, kwargs: dict | None) -> list[Tensor]:
@@ -147,22 +145,9 @@ class RowTracker:
         self.routed_calls: set[int] = set()
 
     @classmethod
-    def for_model(cls, model: nn.Module, modules: list[nn.Module] | None = None) -> RowTracker:
-        """A tracker for a run of ``model`` (its parameters and buffers are its tables). ``modules``: the model's
-        ``modules()``, if the caller has just listed them."""
-        kind = type(model)
-        if modules is None or any(getattr(kind, name) is not getattr(nn.Module, name) for name in _MEMBERS):
-            return cls(frozenset(map(id, itertools.chain(model.parameters(), model.buffers()))))
-        # what nn.Module's parameters() and buffers() yield: each module's own, less None and repeats
-        found: set[int] = set()
-        for table in ("_parameters", "_buffers"):
-            memo: set[Tensor] = set()
-            for m in modules:
-                for t in getattr(m, table).values():
-                    if t is not None and t not in memo:
-                        memo.add(t)
-                        found.add(id(t))
-        return cls(frozenset(found))
+    def for_model(cls, model: nn.Module) -> RowTracker:
+        """A tracker for a run of ``model`` (its parameters and buffers are its tables)."""
+        return cls(frozenset(map(id, itertools.chain(model.parameters(), model.buffers()))))
 
     @staticmethod
     def _has(marks: dict[int, weakref.ref], t: Tensor) -> bool:

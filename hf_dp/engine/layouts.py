@@ -177,16 +177,12 @@ class Layouts:
         return (c1.in_leaves, c2.in_leaves) if side == 0 else (c1.out_leaves, c2.out_leaves)
 
     def _pair(self, i: int, side: int, j: int, a, b):
-        """The layout leaf ``j`` proves in the runs on one and two examples (:meth:`_infer`, read here directly)."""
+        """The layout leaf ``j`` proves in the runs on one and two examples."""
         key = (i, side, j)
         pairs = self._pairs
-        if key in pairs:
-            return pairs[key]
-        pair = (id(a), id(b), (1, 2))
-        inferred = self._inferred
-        layout = inferred[pair] if pair in inferred else inferred.setdefault(pair, infer_layout(a, b, (1, 2)))
-        pairs[key] = layout
-        return layout
+        if key not in pairs:
+            pairs[key] = self._infer(a, b)
+        return pairs[key]
 
     def _infer(self, a, b, sizes: tuple[int, int] = (1, 2)):
         """:func:`infer_layout` of two leaves, once per pair of objects: a tensor one call returns is often what

@@ -120,11 +120,9 @@ class RuleChecks:
                 return None
         values: list = []
         try:
-            state = []
-            for k, v in attrs.items():
-                if k not in _MODULE_INTERNALS:
-                    kind = type(v)  # a scalar as `_signature` describes it, without the call
-                    state.append((k, (kind, v) if kind in _SCALARS else _signature(v, values, float_values=True)))
+            state = [
+                (k, _signature(v, values, float_values=True)) for k, v in attrs.items() if k not in _MODULE_INTERNALS
+            ]
             covered = {id(p) for p in entry.params}
             params = [
                 (n, None if p is None else (tuple(p.shape), p.dtype, p.device, p.requires_grad, id(p) in covered))

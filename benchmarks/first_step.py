@@ -41,9 +41,9 @@ import torch  # noqa: E402
 from sweep import Skip, _time_plain, _with_dtype, prepare, quiet_transformers  # noqa: E402
 
 import hf_dp.engine.backward as backward_side  # noqa: E402
+import hf_dp.engine.planner as planner  # noqa: E402
 import hf_dp.engine.probe as probe  # noqa: E402
 import hf_dp.engine.proof as proof  # noqa: E402
-import hf_dp.engine.rule_choice as rule_choice  # noqa: E402
 from hf_dp.engine.clipper import BookKeepingClipper  # noqa: E402
 
 DEFAULT = (
@@ -69,7 +69,7 @@ def _timed(owner, name: str, key: str) -> None:
 def _install_timers() -> None:
     _timed(proof.PlanProof, "_make_plan", "proof")
     _timed(probe.Prober, "run", "probe")
-    _timed(rule_choice, "choose_rule", "rules")  # looked up there by `choose_rules`
+    _timed(planner, "choose_rules", "rules")  # looked up there by `build_plan`
     _timed(backward_side.BackwardBookkeeping, "_support_check", "support")
 
 

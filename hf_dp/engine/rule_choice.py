@@ -9,6 +9,7 @@ base's output times a measured constant (:class:`~hf_dp.layers.ScaledRule`).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -33,11 +34,14 @@ def choose_rules(
     static: list[HookedModule], calls_of: dict[int, list[CallRecord]], layouts: Layouts
 ) -> list[HookedModule]:
     """``static`` with the rule each module gets on the probed calls (``calls_of``: by ``id(module)``), the checks
-    shared between identical modules (:class:`~.shared_checks.RuleChecks`)."""
+    measured together and shared between identical modules (:class:`~.shared_checks.RuleChecks`)."""
+    candidates = [_candidate(entry, calls_of.get(id(entry.module), []), layouts) for entry in static]
+    checked = [c for c in candidates if isinstance(c, _Candidate) and c.problem is _UNCHECKED]
+    for c, problem in zip(checked, RuleChecks().disagreements([c.check for c in checked]), strict=True):
+        c.problem = problem
     entries: list[HookedModule] = []
-    checks = RuleChecks()
-    for entry in static:
-        rule = choose_rule(entry, calls_of.get(id(entry.module), []), layouts, checks)
+    for entry, c in zip(static, candidates, strict=True):
+        rule = _decide(entry, c) if isinstance(c, _Candidate) else c
         entries.append(HookedModule(entry.name, entry.module, rule, list(entry.params), entry.match))
     return entries
 
@@ -47,6 +51,30 @@ def choose_rule(
 ) -> LayerRule:
     """The rule to use for ``entry``: its own, a scaled version, or the fallback (guessed rules that disagree).
     ``checks``: the rule checks of this plan so far, shared between identical modules (:class:`RuleChecks`)."""
+    c = _candidate(entry, calls, layouts)
+    if not isinstance(c, _Candidate):
+        return c
+    if c.problem is _UNCHECKED:
+        c.problem = rule_disagreement(*c.check) if checks is None else checks.disagreements([c.check])[0]
+    return _decide(entry, c)
+
+
+#: A candidate's problem before its check against autograd ran.
+_UNCHECKED = object()
+
+
+@dataclass
+class _Candidate:
+    """A rule that holds only if its check on the probed ``call`` passes (``problem``: the check's answer, an
+    exception it raised, or :data:`_UNCHECKED`)."""
+
+    rule: LayerRule
+    check: tuple
+    problem: object = _UNCHECKED
+
+
+def _candidate(entry: HookedModule, calls: list[CallRecord], layouts: Layouts) -> LayerRule | _Candidate:
+    """The rule ``entry`` gets without a check against autograd, or the candidate to check."""
     if entry.is_fallback or not calls:
         return entry.rule
     match = entry.match
@@ -60,20 +88,22 @@ def choose_rule(
             return FALLBACK_RULE
         if abs(scale - 1.0) > 1e-12:
             rule = ScaledRule(rule, scale)
-    first = layout = None
     for call in calls:
         layout = closed_form_layout(rule, call, layouts)
         if layout is not None:
-            first = call
-            break
-    if first is None:
-        return rule  # its uses are covered by an enclosing module (decided per use: :mod:`.use_coverage`)
-    if _covers_foreign(entry):
-        problem = foreign_disagreement(entry, rule, first, layout)
-    elif checks is None:
-        problem = rule_disagreement(entry, rule, first, layout)
-    else:
-        problem = checks.disagreement(entry, rule, first, layout)
+            candidate = _Candidate(rule, (entry, rule, call, layout))
+            if _covers_foreign(entry):
+                candidate.problem = foreign_disagreement(entry, rule, call, layout)
+            return candidate
+    return rule  # its uses are covered by an enclosing module (decided per use: :mod:`.use_coverage`)
+
+
+def _decide(entry: HookedModule, candidate: _Candidate) -> LayerRule:
+    """The candidate's rule if its check passed; else the fallback for a guessed rule, a refusal for a registered
+    one."""
+    problem, rule, match = candidate.problem, candidate.rule, entry.match
+    if isinstance(problem, BaseException):
+        raise problem
     if problem is None:
         return rule
     if match is not None and match.exact:

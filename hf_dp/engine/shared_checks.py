@@ -10,7 +10,7 @@ from torch import Tensor
 from ..layers import LayerRule, Layout, ScaledRule
 from .coverage import HookedModule
 from .probe import CallRecord
-from .rule_check import measure_disagreement
+from .rule_check import measure_disagreements
 
 __all__ = ["SHARE_MARGIN", "RuleChecks"]
 
@@ -103,7 +103,7 @@ class RuleChecks:
     the torch layer computes without branching on the floating-point values. Anything else is checked on its own."""
 
     def __init__(self) -> None:
-        self._done: dict[tuple, list[tuple[list, str | None]]] = {}
+        self._done: dict[tuple, list[list]] = {}  # the checks that passed far inside: key -> their values
         self._noise: dict = {}  # the random output gradients, by shape, dtype and device
         self.evaluated = 0
         self.shared = 0
@@ -145,15 +145,52 @@ class RuleChecks:
 
     def disagreement(self, entry: HookedModule, rule: LayerRule, call: CallRecord, layout: Layout) -> str | None:
         """:func:`~.rule_check.rule_disagreement`, or the answer of an identical check of this plan."""
-        found = self.key(entry, rule, call, layout)
-        if found is not None:
-            key, values = found
-            for seen, problem in self._done.get(key, ()):
-                if _all_same(seen, values):
+        found = self.disagreements([(entry, rule, call, layout)])[0]
+        if isinstance(found, BaseException):
+            raise found
+        return found
+
+    def disagreements(self, checks: list[tuple[HookedModule, LayerRule, CallRecord, Layout]]) -> list:
+        """:meth:`disagreement` of each check (a mismatch, ``None``, or the exception its rule or re-run raised, for
+        the caller to raise in its turn), measured together (:func:`~.rule_check.measure_disagreements`): first
+        every check that no identical check answers, then those whose identical check of this call did not pass far
+        inside its tolerance (each on its own: as strict as checking in order, where a later identical check could
+        have answered them)."""
+        keys = [self.key(*check) for check in checks]
+        answers: list = [None] * len(checks)
+        leaders: dict[int, int] = {}  # a check to be answered by an identical one of this call: index -> its index
+        pending: dict[tuple, list[tuple[int, list]]] = {}
+        first = []
+        for i, found in enumerate(keys):
+            if found is not None:
+                key, values = found
+                if any(_all_same(seen, values) for seen in self._done.get(key, ())):
                     self.shared += 1
-                    return problem
-        problem, closeness = measure_disagreement(entry, rule, call, layout, self._noise)
-        self.evaluated += 1
-        if found is not None and problem is None and closeness <= SHARE_MARGIN:
-            self._done.setdefault(key, []).append((values, problem))
-        return problem
+                    continue
+                leader = next((j for j, seen in pending.get(key, ()) if _all_same(seen, values)), None)
+                if leader is not None:
+                    leaders[i] = leader
+                    continue
+                pending.setdefault(key, []).append((i, values))
+            first.append(i)
+        passed = self._measure(checks, first, keys, answers)
+        self._measure(checks, [i for i, j in leaders.items() if j not in passed], keys, answers)
+        self.shared += sum(j in passed for j in leaders.values())
+        return answers
+
+    def _measure(self, checks: list, which: list[int], keys: list, answers: list) -> set[int]:
+        """Measure the checks ``which`` into ``answers``, and keep those that passed far inside their tolerance for
+        identical checks to share; their indices."""
+        passed = set()
+        for i, found in zip(which, measure_disagreements([checks[i] for i in which], self._noise), strict=True):
+            self.evaluated += 1
+            if isinstance(found, BaseException):
+                answers[i] = found
+                continue
+            answers[i], closeness = found
+            if answers[i] is None and closeness <= SHARE_MARGIN:
+                passed.add(i)
+                if keys[i] is not None:
+                    key, values = keys[i]
+                    self._done.setdefault(key, []).append(values)
+        return passed

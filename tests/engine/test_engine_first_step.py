@@ -531,14 +531,15 @@ def test_shared_rule_checks_give_each_module_the_answer_of_its_own(float64, name
     """Every module's own check (no sharing) agrees with the answer the shared checks gave it."""
     model, inputs = _model_and_inputs(name)
     answers = []
-    original = RuleChecks.disagreement
+    original = RuleChecks.disagreements
 
-    def record(self, entry, rule, call, layout):
-        shared = original(self, entry, rule, call, layout)
-        answers.append((entry.name, shared, rule_disagreement(entry, rule, call, layout)))
-        return shared
+    def record(self, checks):
+        found = original(self, checks)
+        for (entry, rule, call, layout), shared in zip(checks, found, strict=True):
+            answers.append((entry.name, shared, rule_disagreement(entry, rule, call, layout)))
+        return found
 
-    monkeypatch.setattr(RuleChecks, "disagreement", record)
+    monkeypatch.setattr(RuleChecks, "disagreements", record)
     clipper = BookKeepingClipper(model, max_grad_norm=1.0)
     model(**inputs)
     clipper.remove()

@@ -1,5 +1,6 @@
-"""The norms a rule check compares, read all at once (``_comparison_norms``), are the ones the comparison in order
-computes one by one: ``||autograd||``, ``||rule[0] - autograd||`` and the square root of the rule's ghost norm."""
+"""The norms a rule check compares, read all at once for several checks (``_batched_norms``), are the ones the
+comparison in order computes one by one: ``||autograd||``, ``||rule[0] - autograd||`` and the square root of the
+rule's ghost norm."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-from hf_dp.engine.rule_check import _compare_in_order, _comparison_norms, _worst_margin
+from hf_dp.engine.rule_check import _batched_norms, _Check, _compare_in_order, _worst_margin
 from hf_dp.layers.grads import FactoredGrad, IndexFactor, InstantiatedGrad, instantiate, norm_sq
 
 
@@ -24,6 +25,10 @@ def _one_by_one(named, ref, grads):
         norm = float(norm_sq(got, torch.float64)[0].sqrt())
         out[p] = (float(expected.norm()), float((dense - expected).norm()), norm)
     return out
+
+
+def _comparison_norms(named, ref, grads):
+    return _batched_norms([_Check(named, grads, [], [], ref=ref)])[0]
 
 
 def test_norms_at_once_equal_the_norms_one_by_one():
@@ -54,3 +59,24 @@ def test_norms_at_once_equal_the_norms_one_by_one():
     problem, margin = _worst_margin(named, _comparison_norms(named, ref, exact), [torch.float64])
     assert problem is None and margin < 1e-8
     assert _compare_in_order(named, ref, exact, [torch.float64]) is None
+
+
+def test_checks_read_together_get_each_its_own_norms():
+    """Three checks in one read (one whose gradient cannot be compared at once: two examples) get what each gets
+    alone."""
+    torch.manual_seed(1)
+    checks = []
+    for shape, examples in (((3, 2), 1), ((5,), 2), ((2, 2), 1)):
+        p = nn.Parameter(torch.randn(*shape, dtype=torch.float64))
+        ref = {p: torch.randn_like(p)}
+        grads = {p: InstantiatedGrad(torch.randn(examples, *shape, dtype=torch.float64))}
+        checks.append(_Check({"p": p}, grads, [], [], ref=ref))
+    together = _batched_norms(checks)
+    assert together[1] is None  # compared in order, as it comes
+    for c, found in zip(checks, together, strict=True):
+        alone = _batched_norms([c])[0]
+        assert found == alone
+        if found is not None:
+            slow = _one_by_one(c.named, c.ref, c.grads)
+            for x, y in zip(found[next(iter(c.named.values()))], slow[next(iter(c.named.values()))], strict=True):
+                assert math.isclose(x, y, rel_tol=1e-14)

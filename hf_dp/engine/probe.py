@@ -243,9 +243,9 @@ class Prober:
         counts[key] = ordinal + 1
         stack = self._stack
         index, parent, in_leaves = len(calls), stack[-1] if stack else None, flatten_call(args, kwargs)
-        # autocast_state() is () unless autocast is on for some device type
-        autocast = autocast_state() if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda") else ()
-        record = CallRecord(index, module, parent, ordinal, tuple(args), dict(kwargs), None, in_leaves, [], autocast)
+        record = CallRecord(
+            index, module, parent, ordinal, tuple(args), dict(kwargs), None, in_leaves, [], autocast_state()
+        )
         calls.append(record)
         stack.append(index)
         if self._rows is not None:

@@ -21,7 +21,7 @@ from .coverage import HookedModule
 from .probe import CallRecord, tolerance
 from .rows import closed_form_grads
 
-__all__ = ["measure_disagreement", "rule_disagreement"]
+__all__ = ["measure_disagreements", "rule_disagreement"]
 
 #: The mismatch reported when autograd's own gradient on the probe's example is not finite: nothing to compare with.
 _NOT_FINITE = (
@@ -41,20 +41,10 @@ def rule_disagreement(entry: HookedModule, rule: LayerRule, call: CallRecord, la
     The rule's per-example gradient (and its ghost norm) for a random output gradient must match the vector-Jacobian
     product of the module's own forward with respect to each covered parameter.
     """
-    return measure_disagreement(entry, rule, call, layout)[0]
-
-
-def measure_disagreement(
-    entry: HookedModule, rule: LayerRule, call: CallRecord, layout: Layout, noise: dict | None = None
-) -> tuple[str | None, float]:
-    """:func:`rule_disagreement`, and how close the comparison came to its tolerance: the largest of the compared
-    differences over its threshold (above 1 is a mismatch; ``inf`` where the comparison could not be made at once).
-    ``noise``: the random output gradients drawn so far, by shape, dtype and device (the same seed draws the same
-    tensor: drawn once)."""
-    found = measure_disagreements([(entry, rule, call, layout)], noise)[0]
+    found = measure_disagreements([(entry, rule, call, layout)])[0]
     if isinstance(found, BaseException):
         raise found
-    return found
+    return found[0]
 
 
 #: Parameter entries whose checks are measured together at most (more are measured in turn, a check of a larger
@@ -65,11 +55,14 @@ CHECK_CHUNK = 1 << 22
 def measure_disagreements(
     checks: list[tuple[HookedModule, LayerRule, CallRecord, Layout]], noise: dict | None = None
 ) -> list[tuple[str | None, float] | BaseException]:
-    """:func:`measure_disagreement` of several checks, each as it would be alone: every module re-run on its own
-    recorded call (its inputs detached, so one check's reference cannot reach another's parameters), the references
-    of all in one ``autograd.grad`` (the gradient with respect to one check's parameter leaves is that check's
-    vector-Jacobian product alone), the norms in one host read; up to :data:`CHECK_CHUNK` parameter entries at a
-    time. A check whose rule or re-run raised gets its exception (for the caller to raise in its turn)."""
+    """:func:`rule_disagreement` of several checks, each as it would be alone, with how close each came to its
+    tolerance (the largest of its compared differences over its threshold: above 1 is a mismatch; ``inf`` where the
+    comparison could not be made at once). Every module is re-run on its own recorded call (its inputs detached, so
+    one check's reference cannot reach another's parameters), the references of all come from one ``autograd.grad``
+    (the gradient with respect to one check's parameter leaves is that check's vector-Jacobian product alone), the
+    norms from one host read; up to :data:`CHECK_CHUNK` parameter entries at a time. A check whose rule or re-run
+    raised gets its exception (for the caller to raise in its turn). ``noise``: the random output gradients drawn so
+    far, by shape, dtype and device (the same seed draws the same tensor: drawn once)."""
     noise = {} if noise is None else noise
     out: list = []
     chunk: list = []

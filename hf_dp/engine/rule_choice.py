@@ -20,14 +20,13 @@ from .coverage import HookedModule
 from .foreign_check import foreign_disagreement
 from .layouts import Layouts, closed_form_layout, is_float
 from .probe import CallRecord, tolerance
-from .rule_check import rule_disagreement
 from .self_check import SelfCheckError
 from .shared_checks import RuleChecks
 
 #: The planner's logger (these messages are the plan's).
 logger = logging.getLogger("hf_dp.engine.planner")
 
-__all__ = ["choose_rule", "choose_rules"]
+__all__ = ["choose_rules"]
 
 
 def choose_rules(
@@ -44,19 +43,6 @@ def choose_rules(
         rule = _decide(entry, c) if isinstance(c, _Candidate) else c
         entries.append(HookedModule(entry.name, entry.module, rule, list(entry.params), entry.match))
     return entries
-
-
-def choose_rule(
-    entry: HookedModule, calls: list[CallRecord], layouts: Layouts, checks: RuleChecks | None = None
-) -> LayerRule:
-    """The rule to use for ``entry``: its own, a scaled version, or the fallback (guessed rules that disagree).
-    ``checks``: the rule checks of this plan so far, shared between identical modules (:class:`RuleChecks`)."""
-    c = _candidate(entry, calls, layouts)
-    if not isinstance(c, _Candidate):
-        return c
-    if c.problem is _UNCHECKED:
-        c.problem = rule_disagreement(*c.check) if checks is None else checks.disagreements([c.check])[0]
-    return _decide(entry, c)
 
 
 #: A candidate's problem before its check against autograd ran.

@@ -143,16 +143,10 @@ class RuleChecks:
             return None
         return key, values
 
-    def disagreement(self, entry: HookedModule, rule: LayerRule, call: CallRecord, layout: Layout) -> str | None:
-        """:func:`~.rule_check.rule_disagreement`, or the answer of an identical check of this plan."""
-        found = self.disagreements([(entry, rule, call, layout)])[0]
-        if isinstance(found, BaseException):
-            raise found
-        return found
-
     def disagreements(self, checks: list[tuple[HookedModule, LayerRule, CallRecord, Layout]]) -> list:
-        """:meth:`disagreement` of each check (a mismatch, ``None``, or the exception its rule or re-run raised, for
-        the caller to raise in its turn), measured together (:func:`~.rule_check.measure_disagreements`): first
+        """:func:`~.rule_check.rule_disagreement` of each check, or the answer of an identical check of this plan (a
+        mismatch, ``None``, or the exception its rule or re-run raised, for the caller to raise in its turn), measured
+        together (:func:`~.rule_check.measure_disagreements`): first
         every check that no identical check answers, then those whose identical check of this call did not pass far
         inside its tolerance (each on its own: as strict as checking in order, where a later identical check could
         have answered them)."""

@@ -12,6 +12,8 @@ a layer already repacked.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from torch import nn
 
 from ..layers.base import UnsupportedModuleError
@@ -21,11 +23,14 @@ _FLAG = "support_avx512bf16_for_cpu"  # bitsandbytes' Linear4bit: repack the wei
 __all__ = ["hold_cpu_repacking", "release_cpu_repacking"]
 
 
-def hold_cpu_repacking(model: nn.Module) -> list[tuple[nn.Module, bool]]:
+def hold_cpu_repacking(
+    model: nn.Module, named_modules: Iterable[tuple[str, nn.Module]] | None = None
+) -> list[tuple[nn.Module, bool]]:
     """Turn bitsandbytes' CPU repacking off on every 4-bit layer of ``model``; returns what
     :func:`release_cpu_repacking` restores. Raises ``UnsupportedModuleError`` (changing nothing) if a layer's weight
-    is repacked already."""
-    layers = [(name, m) for name, m in model.named_modules() if hasattr(m, _FLAG)]
+    is repacked already. ``named_modules``: ``model.named_modules()``, if the caller has just listed them."""
+    named = model.named_modules() if named_modules is None else named_modules
+    layers = [(name, m) for name, m in named if hasattr(m, _FLAG)]
     for name, module in layers:
         state = getattr(getattr(module, "weight", None), "quant_state", None)
         if getattr(state, "packing_format_for_cpu", False):

@@ -34,6 +34,7 @@ from .clipping import GroupClipping
 from .coverage import plan_coverage, trainable_parameters
 from .forward import ForwardHooks
 from .grad_hooks import GradHooks
+from .listing import ModelListing
 from .packed import PackedSequences
 from .packed_check import packed_self_check
 from .planner import Plan
@@ -144,23 +145,26 @@ class BookKeepingClipper(
         self.per_group_norms: Tensor | None = None
         self._registered: dict[nn.Parameter, nn.Parameter] = dict(registered_parameters or {})
         self._used_of: dict[int, nn.Parameter] = {id(twin): p for p, twin in self._registered.items()}
-        self._original_requires_grad = {p: p.requires_grad for p in model.parameters()}
+        listing = ModelListing.of(model)  # read by each step below (listed again if one adds modules)
+        self._original_requires_grad = {p: p.requires_grad for p in listing.parameters}
         self._original_requires_grad.update({twin: twin.requires_grad for twin in self._registered.values()})
-        self._check_grad_hooks()  # hooks the engine cannot apply per example are refused (grad_hooks)
-        self._bnb_held = hold_cpu_repacking(model)  # bitsandbytes' CPU repacking breaks its backward (until remove)
+        self._check_grad_hooks(listing)  # hooks the engine cannot apply per example are refused (grad_hooks)
+        # bitsandbytes' CPU repacking breaks its backward (held off until remove)
+        self._bnb_held = hold_cpu_repacking(model, listing.named_modules)
         # SpecAugment's masking runs as a child's call while the clipper is installed (undone by `remove()`)
-        self._spec_augment = spec_augment.install(model)
+        self._spec_augment = spec_augment.install(model, listing.modules)
+        listing = ModelListing.of(model) if self._spec_augment else listing
         try:
-            self._static = plan_coverage(model, allow_fallback=allow_fallback)
+            self._static = plan_coverage(model, allow_fallback=allow_fallback, listing=listing)
         except BaseException:
             spec_augment.uninstall(self._spec_augment)
             release_cpu_repacking(self._bnb_held)
             raise
-        self._trainable = tuple(trainable_parameters(model))
+        self._trainable = tuple(trainable_parameters(model, listing))
         self._set_groups()
         self._warned_scale = False
         # the modules that can turn gradient checkpointing on (transformers sets this attribute), checked per forward
-        self._checkpointable = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+        self._checkpointable = [m for m in listing.modules if hasattr(m, "gradient_checkpointing")]
         self._init_engine_state()
         self._norm_dtype = self._compute_norm_dtype()
         #: Whether the engine may run passes of its own on this process's examples (the proof of a plan, the

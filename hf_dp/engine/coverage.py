@@ -20,6 +20,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from ..layers import FALLBACK_RULE, LayerRule, NeedsFallback, RuleMatch, UnsupportedModuleError, match_rule
 from ..layers.base import own_named_parameters
 from ..layers.prefix import check_prefix_encoder
+from .listing import ModelListing
 
 logger = logging.getLogger(__name__)
 _warned_fallback_types: set[type] = set()
@@ -48,9 +49,10 @@ class HookedModule:
         return self.rule.layout == "any"
 
 
-def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Unique parameters with ``requires_grad`` (tied parameters once)."""
-    return [p for p in model.parameters() if p.requires_grad]
+def trainable_parameters(model: nn.Module, listing: ModelListing | None = None) -> list[nn.Parameter]:
+    """Unique parameters with ``requires_grad`` (tied parameters once); ``listing``: the model's, if the caller has
+    just listed it."""
+    return [p for p in (model.parameters() if listing is None else listing.parameters) if p.requires_grad]
 
 
 _CONTAINERS = (nn.ParameterDict, nn.ParameterList)
@@ -92,7 +94,9 @@ def _reject_batch_statistics(named: list[tuple[str, nn.Module]]) -> None:
             )
 
 
-def plan_coverage(model: nn.Module, *, allow_fallback: bool = True) -> list[HookedModule]:
+def plan_coverage(
+    model: nn.Module, *, allow_fallback: bool = True, listing: ModelListing | None = None
+) -> list[HookedModule]:
     """Assign every trainable parameter of ``model`` to each module that owns it, with that module's rule.
 
     A parameter shared by several modules (tied weights) is covered by each of them; the engine adds the uses up
@@ -102,6 +106,7 @@ def plan_coverage(model: nn.Module, *, allow_fallback: bool = True) -> list[Hook
     Args:
         model (`nn.Module`): the model.
         allow_fallback (`bool`, *optional*, defaults to `True`): use the fallback for parameters no rule covers.
+        listing (`ModelListing`, *optional*): the model's modules and parameters, if the caller has just listed them.
 
     Returns:
         `list[HookedModule]`: the hooked modules, in ``named_modules`` order.
@@ -110,9 +115,9 @@ def plan_coverage(model: nn.Module, *, allow_fallback: bool = True) -> list[Hook
         UnsupportedModuleError: BatchNorm (or running statistics) in the model, an unsupported configuration of a
             layer, or a trainable parameter nothing covers with ``allow_fallback=False``.
     """
-    named = list(model.named_modules())
+    named = list(model.named_modules()) if listing is None else listing.named_modules
     _reject_batch_statistics(named)
-    trainable = {id(p) for p in trainable_parameters(model)}
+    trainable = {id(p) for p in trainable_parameters(model, listing)}
     matched: list[tuple[str, nn.Module, RuleMatch | None, list[tuple[str, nn.Parameter]]]] = []
     for name, module in named:
         check_prefix_encoder(module, name)

@@ -31,6 +31,7 @@ from .checkpointing import (
     reentrant_forward,
 )
 from .coverage import plan_coverage, trainable_parameters
+from .listing import ModelListing
 from .planner import Plan
 from .state import ModelHook, Pass
 from .verify import Verification
@@ -67,12 +68,14 @@ class ForwardHooks:
             if recorder is not None:
                 recorder.frames = frames
 
-    def _names(self) -> tuple[dict[int, str], dict[nn.Parameter, str]]:
+    def _names(self, listing: ModelListing | None = None) -> tuple[dict[int, str], dict[nn.Parameter, str]]:
+        """Module names by id and parameter names (``listing``: the model's, if the caller has just listed it)."""
+        listing = ModelListing.of(self.model) if listing is None else listing
         modules = {}
-        for name, module in self.model.named_modules():
+        for name, module in listing.named_modules:
             modules.setdefault(id(module), name)
         params = {}
-        for name, p in self.model.named_parameters():
+        for name, p in listing.named_parameters:
             params.setdefault(self._used_of.get(id(p), p), name)
         return modules, params
 
@@ -149,9 +152,10 @@ class ForwardHooks:
         self._root_call = (args, kwargs, batch)  # for proving layouts of a path first taken in this pass
         names = None  # module and parameter names, for messages (read once for the plan and its verification)
         if batch.size > 0 and self._plan is None:
-            self._check_grad_hooks()  # a hook added since the last plan (grad_hooks)
-            names = self._names()
-            self._install(self._make_plan(args, kwargs, batch, names=names))
+            listing = ModelListing.of(self.model)  # read by each step below
+            self._check_grad_hooks(listing)  # a hook added since the last plan (grad_hooks)
+            names = self._names(listing)
+            self._install(self._make_plan(args, kwargs, batch, names=names, listing=listing))
             self._pass = None
         self._start_pass(batch)
         if self.packed_sequences and batch.size > 0:  # the examples are the sequences of the rows

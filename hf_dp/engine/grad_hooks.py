@@ -36,6 +36,7 @@ from torch.nn.modules import module as module_hooks
 
 from ..layers import UnsupportedModuleError
 from ..layers.grads import InstantiatedGrad, PerExampleGrad, instantiate
+from .listing import ModelListing
 from .state import ModelHook, Pass
 
 __all__ = ["GradHooks", "apply_per_example", "check_gradient_hooks", "run_hooks", "tensor_hooks"]
@@ -55,10 +56,12 @@ def describe(hook: Callable) -> str:
     return f"{where}.{name}" if where else name
 
 
-def check_gradient_hooks(model: nn.Module, params: Iterable[Tensor]) -> None:
+def check_gradient_hooks(
+    model: nn.Module, params: Iterable[Tensor], named_modules: Iterable[tuple[str, nn.Module]] | None = None
+) -> None:
     """Refuse the hooks the engine cannot honour (see the module docstring): post-accumulate-grad hooks on
     ``params`` (the trainable parameters), and backward hooks or backward pre-hooks on any module of ``model`` or
-    global ones.
+    global ones. ``named_modules``: ``model.named_modules()``, if the caller has just listed them.
 
     Raises:
         UnsupportedModuleError: naming the parameter or module, the hook, and what to do.
@@ -66,7 +69,7 @@ def check_gradient_hooks(model: nn.Module, params: Iterable[Tensor]) -> None:
     params = list(params)
     _refuse_post_accumulate_hooks(model, params)
     _refuse_gradient_loggers(model, params)
-    _refuse_module_backward_hooks(model)
+    _refuse_module_backward_hooks(model.named_modules() if named_modules is None else named_modules)
 
 
 #: Modules whose tensor hooks log the gradients they see (``wandb.watch(model, log="gradients" | "all")``, which
@@ -106,7 +109,7 @@ def _refuse_post_accumulate_hooks(model: nn.Module, params: Iterable[Tensor]) ->
             )
 
 
-def _refuse_module_backward_hooks(model: nn.Module) -> None:
+def _refuse_module_backward_hooks(named_modules: Iterable[tuple[str, nn.Module]]) -> None:
     fix = (
         "Remove the hook (`handle.remove()`), or put the transform on the parameters' own gradients "
         "(`p.register_hook(fn)`), which hf_dp applies to each example's gradient."
@@ -123,7 +126,7 @@ def _refuse_module_backward_hooks(model: nn.Module) -> None:
                 f"`torch.nn.modules.module.{registrar}`): it sees the gradients of the whole batch, and hf_dp, which "
                 f"forms each example's gradient itself, cannot tell that it transforms each example's alone. {fix}"
             )
-    for name, module in model.named_modules():
+    for name, module in named_modules:
         for kind, table in (
             ("backward hook", module._backward_hooks),
             ("backward pre-hook", module._backward_pre_hooks),
@@ -181,11 +184,13 @@ def apply_per_example(hooks: tuple[Callable, ...], grads: Tensor, name: Callable
 class GradHooks:
     """Mixin of :class:`~hf_dp.engine.BookKeepingClipper`: the parameters' gradient hooks, checked and applied."""
 
-    def _check_grad_hooks(self) -> None:
-        """Refuse the hooks the engine cannot honour (at construction and at every new plan)."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
+    def _check_grad_hooks(self, listing: ModelListing | None = None) -> None:
+        """Refuse the hooks the engine cannot honour (at construction and at every new plan). ``listing``: the
+        model's, if the caller has just listed it."""
+        listing = ModelListing.of(self.model) if listing is None else listing
+        params = [p for p in listing.parameters if p.requires_grad]
         params += [q for pair in self._registered.items() for q in pair if q.requires_grad]
-        check_gradient_hooks(self.model, params)
+        check_gradient_hooks(self.model, params, listing.named_modules)
 
     def _hooks_of(self, q: nn.Parameter) -> tuple[Callable, ...]:
         """The tensor hooks of trainable parameter ``q`` (and of its registered twin, FSDP2)."""

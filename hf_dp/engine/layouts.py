@@ -155,10 +155,20 @@ class Layouts:
         self._pairs: dict[tuple[int, int, int], Any] = {}  # (call, 0 inputs / 1 outputs, leaf) -> from `one`, `two`
         self._inferred: dict[tuple, Any] = {}  # (id, id, sizes) of two leaves -> their layout
         self._lists: dict[int, tuple[list, list]] = {}
-        self.inputs = _Column(self, 0)
-        self.outputs = _Column(self, 1)
         self.fallback_memo: dict[int, CallLayout | None] = {}
         self.closed_form_memo: dict[tuple[int, str], Layout | None] = {}  # (call, rule.layout) -> its layout
+
+    # (made when read, not held: a column held here would be a reference cycle, which would keep both runs, with
+    # every tensor they recorded, alive until the garbage collector's next pass)
+    @property
+    def inputs(self) -> _Column:
+        """``inputs[i]``: the layouts of call ``i``'s input leaves."""
+        return _Column(self, 0)
+
+    @property
+    def outputs(self) -> _Column:
+        """``outputs[i]``: the layouts of call ``i``'s output leaves."""
+        return _Column(self, 1)
 
     def _set_three(self, three: ProbeRun | None) -> None:
         if three is not None and [k for k, _ in _signature(three, self._relevant)] != self._keys_two:
@@ -265,41 +275,43 @@ def _relevance(run: ProbeRun) -> Callable[[nn.Module], bool]:
     traced = set(run.traced) | {id(p) for p in run.uses}
     memo: dict[int, bool] = {}
 
-    def holds(module: nn.Module, open_: set[int]) -> bool | None:
-        """``any(id(p) in traced for p in module.parameters())`` from the module's own parameters and its children's
-        answers (``None``: a class that overrides how its parameters or submodules are listed, or a cycle)."""
-        key = id(module)
-        if key in memo:
-            return memo[key]
-        kind = type(module)
-        if key in open_ or any(getattr(kind, n) is not getattr(nn.Module, n) for n in _LISTING):
-            return None
-        if any(p is not None and id(p) in traced for p in module._parameters.values()):
-            memo[key] = True
-            return True
-        open_.add(key)
-        found = False
-        for child in module._modules.values():
-            if child is None:
-                continue
-            answer = holds(child, open_)
-            if answer is None:
-                return None
-            if answer:
-                found = True
-                break
-        open_.discard(key)
-        memo[key] = found
-        return found
-
     def relevant(module: nn.Module) -> bool:
         key = id(module)
         if key not in memo:
-            answer = holds(module, set())
+            answer = _holds(module, traced, memo, set())
             memo[key] = any(id(p) in traced for p in module.parameters()) if answer is None else answer
         return memo[key]
 
     return relevant
+
+
+def _holds(module: nn.Module, traced: set[int], memo: dict[int, bool], open_: set[int]) -> bool | None:
+    """``any(id(p) in traced for p in module.parameters())`` from the module's own parameters and its children's
+    answers (``None``: a class that overrides how its parameters or submodules are listed, or a cycle). (A function
+    of the module, not a closure: a closure that calls itself is a reference cycle.)"""
+    key = id(module)
+    if key in memo:
+        return memo[key]
+    kind = type(module)
+    if key in open_ or any(getattr(kind, n) is not getattr(nn.Module, n) for n in _LISTING):
+        return None
+    if any(p is not None and id(p) in traced for p in module._parameters.values()):
+        memo[key] = True
+        return True
+    open_.add(key)
+    found = False
+    for child in module._modules.values():
+        if child is None:
+            continue
+        answer = _holds(child, traced, memo, open_)
+        if answer is None:
+            return None
+        if answer:
+            found = True
+            break
+    open_.discard(key)
+    memo[key] = found
+    return found
 
 
 #: The ``nn.Module`` methods through which ``module.parameters()`` lists a subtree's parameters.

@@ -39,10 +39,11 @@ def _restore(table: dict, saved: dict) -> None:
 
 
 @contextlib.contextmanager
-def kept_state(model: nn.Module) -> Iterator[list[nn.Module]]:
+def kept_state(model: nn.Module, modules: list[nn.Module] | None = None) -> Iterator[list[nn.Module]]:
     """Every module's attributes and buffers as they were on entry, once the block has run (parameters are left as
-    they are). Gives the model's ``modules()`` as they were on entry."""
-    modules = list(model.modules())
+    they are). Gives the model's ``modules()`` as they were on entry (``modules``: those, if the caller has just
+    listed them)."""
+    modules = list(model.modules()) if modules is None else modules
     saved = [(m, dict(m.__dict__), dict(m._buffers)) for m in modules]
     try:
         yield modules

@@ -23,6 +23,7 @@ from ..layers import ScaledRule, UnsupportedModuleError
 from .batch import RootBatch, check_bags, describe, slice_batch
 from .checkpointing import own_saved_tensors
 from .coverage import HookedModule
+from .listing import ModelListing
 from .module_state import kept_state
 from .planner import CallLayout, Plan, build_plan, expansion_changes_output, fits, needs_third_run
 from .probe import Prober, frozen_rng, probe_mode, run_expanded, run_probe
@@ -47,12 +48,14 @@ class PlanProof:
         *,
         names=None,
         training_like: bool = False,
+        listing: ModelListing | None = None,
     ) -> Plan:
         """Prove a plan on the sub-batches ``[first]`` and ``[second, first]`` of this batch (``[first, first]`` for
         a batch of one), with ``[second, second, first]`` when a leaf is a tensor in one run only. ``names``: the
-        model's ``_names()``, if the caller has them."""
+        model's ``_names()``, ``listing``: the model's :class:`~.listing.ModelListing`, if the caller has them."""
         self._check_own_passes("prove a plan")
-        names, param_names = names if names is not None else self._names()
+        listing = ModelListing.of(self.model) if listing is None else listing
+        names, param_names = names if names is not None else self._names(listing)
         params = {id(p): p for p in self._trainable}
         second = second if batch.size > 1 else first
         pair = [second, first]
@@ -76,9 +79,9 @@ class PlanProof:
                 raise failed(err) from err
 
         # one eval mode, one set of probe hooks for runs 1-2 (maybe in a checkpointed region), module state put back
-        with self._proving(training_like):
+        with self._proving(training_like, listing):
             try:
-                with Prober(self.model) as prober:
+                with Prober(self.model, listing) as prober:
                     one = prober.run(*slice_batch(args, kwargs, batch, [first]), params)
                     # the plan reads the uses of the parameters off the first run only
                     sub = slice_batch(args, kwargs, batch, pair)
@@ -97,15 +100,15 @@ class PlanProof:
         return plan
 
     @contextlib.contextmanager
-    def _proving(self, training_like: bool):
+    def _proving(self, training_like: bool, listing: ModelListing):
         """The state :meth:`_make_plan` runs the model in: the engine's hooks inert, the module state and random
         numbers put back afterwards, the probe's mode (maybe in a checkpointed region: the engine's own saved
-        tensors)."""
+        tensors). ``listing``: the model as listed on entry."""
         model = self.model
         with (
             self._inert(),
-            kept_state(model) as modules,  # listed on entry: for the flags eval mode puts back
-            frozen_rng(sorted({p.device for p in model.parameters()}, key=str)),
+            kept_state(model, listing.modules) as modules,  # for the flags eval mode puts back
+            frozen_rng(listing.devices()),
             own_saved_tensors(),
             probe_mode(model, training_like, modules),
         ):

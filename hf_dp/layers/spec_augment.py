@@ -207,11 +207,12 @@ def _writes_spec_embedding(module: nn.Module) -> bool:
     return isinstance(p, Tensor) and p.dim() == 1 and callable(getattr(type(module), METHOD, None))
 
 
-def install(model: nn.Module) -> list[SpecAugmentMask]:
+def install(model: nn.Module, modules: list[nn.Module] | None = None) -> list[SpecAugmentMask]:
     """Route ``_mask_hidden_states`` of every module of ``model`` that owns ``masked_spec_embed`` through a
-    :class:`SpecAugmentMask` child (not twice: a module another clipper routes is left to it)."""
+    :class:`SpecAugmentMask` child (not twice: a module another clipper routes is left to it). ``modules``:
+    ``model.modules()``, if the caller has just listed them."""
     installed = []
-    for module in list(model.modules()):
+    for module in list(model.modules()) if modules is None else list(modules):
         current = module.__dict__.get(METHOD)
         if not _writes_spec_embedding(module) or isinstance(getattr(current, "__self__", None), SpecAugmentMask):
             continue

@@ -178,7 +178,7 @@ def flatten_output(output) -> list:
     return leaves
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class CallRecord:
     """One call of one module in a probe run (references to its inputs and outputs)."""
 

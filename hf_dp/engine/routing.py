@@ -177,7 +177,15 @@ class RowTracker:
         return isinstance(index, Tensor) and self._has(self._derived, index)
 
     def observe(self, func, args: tuple, kwargs: dict | None, out: Any) -> None:
-        outputs = (out,) if isinstance(out, Tensor) else _outputs(out)
+        if isinstance(out, Tensor):
+            # the common call marks nothing: no tensor is routed yet, its index (if any) is not value-derived, and
+            # its one output is floating-point (only integer and boolean tensors are marked value-derived)
+            if not self._routed and (out.is_floating_point() or out.is_complex()):
+                if not (self._derived and func in _INDEX_ARG):
+                    return
+            outputs = (out,)
+        else:
+            outputs = _outputs(out)
         if not outputs:  # a call that returns no tensor marks nothing
             return
         # routed: only while some tensor is marked routed, or an index is value-derived (else nothing can be)

@@ -608,3 +608,50 @@ def test_first_step_is_exact_on_the_zoo_shapes(float64):
         loss = models.causal_loss if name == "llama" else models.classification_loss
         torch.manual_seed(0)
         check_clipper(build().double(), batches(), loss, mode="bk-mixopt")
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_the_probe_runs_are_freed_when_the_plan_is_made(float64, name, monkeypatch):
+    """The probe's runs (every module call, with the tensors it took and returned) are freed by reference counting as
+    soon as the plan is made: no reference cycle keeps them until the garbage collector's next pass."""
+    import gc
+    import weakref
+
+    runs: list = []
+    run = Prober.run
+
+    def recording(self, *args, **kwargs):
+        out = run(self, *args, **kwargs)
+        runs.append(weakref.ref(out))
+        runs.extend(weakref.ref(x) for c in out.calls for x in c.out_leaves if isinstance(x, torch.Tensor))
+        return out
+
+    monkeypatch.setattr(Prober, "run", recording)
+    model, inputs = _model_and_inputs(name)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        clipper = BookKeepingClipper(model, max_grad_norm=1.0)
+        logits = model(**inputs).logits
+        alive = sum(r() is not None for r in runs)
+        clipper.abandon()
+        del logits
+    finally:
+        if was_enabled:
+            gc.enable()
+    clipper.remove()
+    assert len(runs) > 2  # two runs and the tensors their calls returned were recorded
+    assert alive == 0
+
+
+def test_the_model_listing_is_the_models_own(float64):
+    """:class:`ModelListing` lists what the model's own methods list (a tied weight once), its buffers and devices."""
+    from hf_dp.engine.listing import ModelListing
+
+    model, _ = _model_and_inputs("gpt2")
+    listing = ModelListing.of(model)
+    assert [(n, id(m)) for n, m in listing.named_modules] == [(n, id(m)) for n, m in model.named_modules()]
+    assert [(n, id(p)) for n, p in listing.named_parameters] == [(n, id(p)) for n, p in model.named_parameters()]
+    assert [id(m) for m in listing.modules] == [id(m) for m in model.modules()]
+    assert listing.table_ids() == frozenset(map(id, [*model.parameters(), *model.buffers()]))
+    assert listing.devices() == [torch.device("cpu")]

@@ -1,8 +1,8 @@
 """The model's modules and parameters, listed once for work that reads them several times in a row.
 
 Constructing the clipper and proving a plan each read the model's module tree several times over (the refused hooks,
-the names for messages, the module state kept, the probe's hooks, the parameter tables of the row tracker); each
-``named_modules()`` walk is a recursive Python generator over the whole tree. A :class:`ModelListing` is that walk
+the names for messages, static coverage, the module state kept, the parameters' devices); each ``named_modules()``
+walk is a recursive Python generator over the whole tree. A :class:`ModelListing` is that walk
 done once, read by each of them, and made again wherever the tree may have changed in between (nothing in one listing
 outlives the step that made it).
 """
@@ -43,8 +43,3 @@ class ModelListing:
     def devices(self) -> list[torch.device]:
         """The devices of the parameters, sorted by name."""
         return sorted({p.device for p in self.parameters}, key=str)
-
-    def table_ids(self) -> frozenset[int]:
-        """Ids of the parameters and buffers (those of ``model.parameters()`` and ``model.buffers()``)."""
-        buffers = (b for m in self.modules for b in m._buffers.values() if b is not None)
-        return frozenset(map(id, (*self.parameters, *buffers)))

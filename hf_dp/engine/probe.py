@@ -26,7 +26,6 @@ from torch.utils._pytree import tree_leaves
 from ..layers import Layout
 from ..layers.base import autocast_state
 from .batch import LEAF_TYPES
-from .listing import ModelListing
 from .probe_modes import eval_mode, frozen_rng, probe_mode
 from .routing import RowTracker
 
@@ -212,9 +211,8 @@ class Prober:
     Use as a context manager, inside :func:`eval_mode` (the runs are in eval mode, and the model stays there across
     them); :meth:`run` records one run. Between runs the hooks stand aside."""
 
-    def __init__(self, model: nn.Module, listing: ModelListing | None = None) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.listing = listing  # the model's, if the caller has just listed it
         self.handles: list = []
         self._calls: list[CallRecord] | None = None  # the run in progress
         self._stack: list[int] = []
@@ -226,7 +224,7 @@ class Prober:
 
     def __enter__(self) -> Prober:
         handles, pre, post = self.handles, self._pre, self._post
-        for module in self.model.modules() if self.listing is None else self.listing.modules:
+        for module in self.model.modules():
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True, prepend=True))
         return self
@@ -268,11 +266,6 @@ class Prober:
             self._rows.leave(record.index, record.out_leaves)
         return output
 
-    def _row_tracker(self) -> RowTracker:
-        if self.listing is None:
-            return RowTracker.for_model(self.model)
-        return RowTracker(self.listing.table_ids())
-
     def _on_use(self, p: nn.Parameter, func) -> None:
         stack = self._stack
         if stack:
@@ -301,7 +294,7 @@ class Prober:
         self._output_hook = output_hook
         recorded = self._uses
         track = (uses or self._routing) if rows is None else rows
-        tracker = self._rows = self._row_tracker() if track else None
+        tracker = self._rows = RowTracker.for_model(self.model) if track else None
         observer = None if tracker is None else tracker.observe
         try:
             recorder = UseRecorder(params if uses else {}, self._on_use, observer=observer)

@@ -81,7 +81,7 @@ class PlanProof:
         # one eval mode, one set of probe hooks for runs 1-2 (maybe in a checkpointed region), module state put back
         with self._proving(training_like, listing):
             try:
-                with Prober(self.model, listing) as prober:
+                with Prober(self.model) as prober:
                     one = prober.run(*slice_batch(args, kwargs, batch, [first]), params)
                     # the plan reads the uses of the parameters off the first run only
                     sub = slice_batch(args, kwargs, batch, pair)

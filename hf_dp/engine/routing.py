@@ -178,11 +178,11 @@ class RowTracker:
 
     def observe(self, func, args: tuple, kwargs: dict | None, out: Any) -> None:
         if isinstance(out, Tensor):
-            # the common call marks nothing: no tensor is routed yet, its index (if any) is not value-derived, and
-            # its one output is floating-point (only integer and boolean tensors are marked value-derived)
-            if not self._routed and (out.is_floating_point() or out.is_complex()):
-                if not (self._derived and func in _INDEX_ARG):
-                    return
+            # the common call marks nothing: nothing is routed yet, no selection by a value-derived index starts
+            # here, and its one output is floating-point (only integer and boolean tensors are marked value-derived)
+            routing = self._routed or (self._derived and func in _INDEX_ARG)
+            if not routing and (out.is_floating_point() or out.is_complex()):
+                return
             outputs = (out,)
         else:
             outputs = _outputs(out)

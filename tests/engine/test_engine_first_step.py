@@ -642,16 +642,3 @@ def test_the_probe_runs_are_freed_when_the_plan_is_made(float64, name, monkeypat
     clipper.remove()
     assert len(runs) > 2  # two runs and the tensors their calls returned were recorded
     assert alive == 0
-
-
-def test_the_model_listing_is_the_models_own(float64):
-    """:class:`ModelListing` lists what the model's own methods list (a tied weight once), its buffers and devices."""
-    from hf_dp.engine.listing import ModelListing
-
-    model, _ = _model_and_inputs("gpt2")
-    listing = ModelListing.of(model)
-    assert [(n, id(m)) for n, m in listing.named_modules] == [(n, id(m)) for n, m in model.named_modules()]
-    assert [(n, id(p)) for n, p in listing.named_parameters] == [(n, id(p)) for n, p in model.named_parameters()]
-    assert [id(m) for m in listing.modules] == [id(m) for m in model.modules()]
-    assert listing.table_ids() == frozenset(map(id, [*model.parameters(), *model.buffers()]))
-    assert listing.devices() == [torch.device("cpu")]
